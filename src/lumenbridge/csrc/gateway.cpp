@@ -1,0 +1,231 @@
+// The operator gateway: op schemas, the one set of argument checks, and the
+// registration of the CPU and CUDA kernels behind torch.ops.lumenbridge.*.
+// Every check lives here once; kernels receive a validated DepthwiseProblem.
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "gateway.h"
+
+namespace lumenbridge {
+namespace {
+
+std::atomic<bool> poison_outputs{false};
+
+void set_poison_outputs(bool enabled) { poison_outputs.store(enabled); }
+
+bool is_supported_kernel_size(int64_t k) { return k == 3 || k == 5 || k == 7; }
+
+void check_dtype(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  const bool half_or_float =
+      dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  // float64 exists for gradcheck on the CPU; GPU kernels stay in the fast types.
+  const bool cpu_double = dtype == at::kDouble && t.device().is_cpu();
+  TORCH_CHECK(half_or_float || cpu_double, "LumenBridge: ", name, " has dtype ", dtype,
+              "; supported are float32, float16 and bfloat16 (and float64 on the CPU)");
+}
+
+void check_same_device(const at::Tensor& reference, const char* reference_name,
+                       const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", t.device(),
+              " but ", reference_name, " is on ", reference.device(),
+              "; all tensors must be on the same device");
+}
+
+void check_same_dtype(const at::Tensor& reference, const char* reference_name,
+                      const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == reference.scalar_type(), "LumenBridge: ", name, " has dtype ",
+              t.scalar_type(), " but ", reference_name, " has dtype ", reference.scalar_type(),
+              "; they must match");
+}
+
+void check_4d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", t.dim(),
+              "-D with shape ", t.sizes());
+  TORCH_CHECK(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
+              " must have at least one channel and one pixel, got shape ", t.sizes());
+}
+
+void check_stride(int64_t stride) {
+  TORCH_CHECK(stride == 1 || stride == 2, "LumenBridge: stride must be 1 or 2, got ", stride);
+}
+
+void check_kernel_size(int64_t k) {
+  TORCH_CHECK(is_supported_kernel_size(k),
+              "LumenBridge: kernel_size must be 3, 5 or 7 (odd, so padding K/2 is symmetric), got ",
+              k);
+}
+
+// Depthwise weight: [C, 1, K, K], dense, K odd in {3, 5, 7}.
+int64_t check_weight(const at::Tensor& weight, int64_t channels) {
+  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == 1 && weight.size(2) == weight.size(3),
+              "LumenBridge: weight must have shape [C, 1, K, K], got ", weight.sizes());
+  TORCH_CHECK(weight.size(0) == channels, "LumenBridge: weight has ", weight.size(0),
+              " channels but the input has ", channels);
+  check_kernel_size(weight.size(2));
+  TORCH_CHECK(weight.is_contiguous(), "LumenBridge: weight must be contiguous, got strides ",
+              weight.strides());
+  return weight.size(2);
+}
+
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& input, int64_t channels) {
+  if (!bias.has_value()) return;
+  check_same_device(input, "input", *bias, "bias");
+  check_same_dtype(input, "input", *bias, "bias");
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels,
+              "LumenBridge: bias must have shape [", channels, "], got ", bias->sizes());
+  TORCH_CHECK(bias->is_contiguous(), "LumenBridge: bias must be contiguous");
+}
+
+// The kernels read contiguous NCHW or channels-last NHWC natively. A tensor
+// may satisfy both (C == 1, or H == W == 1); the layout chosen is one that all
+// activation tensors of the call satisfy, so such tensors never conflict.
+Layout check_layout(std::initializer_list<std::pair<const at::Tensor*, const char*>> tensors) {
+  bool all_nchw = true, all_nhwc = true;
+  for (const auto& [t, name] : tensors) {
+    const bool nchw = t->is_contiguous();
+    const bool nhwc = t->is_contiguous(at::MemoryFormat::ChannelsLast);
+    TORCH_CHECK(nchw || nhwc, "LumenBridge: ", name,
+                " must be contiguous NCHW or channels-last NHWC, got sizes ", t->sizes(),
+                " and strides ", t->strides(),
+                "; call .contiguous() or .contiguous(memory_format=torch.channels_last) first");
+    all_nchw = all_nchw && nchw;
+    all_nhwc = all_nhwc && nhwc;
+  }
+  TORCH_CHECK(all_nchw || all_nhwc,
+              "LumenBridge: all activation tensors of one call must share one memory layout "
+              "(all contiguous NCHW or all channels-last NHWC)");
+  return all_nchw ? Layout::NCHW : Layout::NHWC;
+}
+
+DepthwiseProblem make_problem(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K,
+                              int64_t stride, Layout layout) {
+  DepthwiseProblem p;
+  p.N = N;
+  p.C = C;
+  p.H = H;
+  p.W = W;
+  p.K = K;
+  p.stride = stride;
+  p.pad = K / 2;
+  p.Ho = depthwise_output_extent(p.H, K, stride);
+  p.Wo = depthwise_output_extent(p.W, K, stride);
+  p.layout = layout;
+  return p;
+}
+
+void check_grad_output_shape(const at::Tensor& grad_output, const DepthwiseProblem& p) {
+  TORCH_CHECK(grad_output.size(0) == p.N && grad_output.size(1) == p.C &&
+                  grad_output.size(2) == p.Ho && grad_output.size(3) == p.Wo,
+              "LumenBridge: grad_output has shape ", grad_output.sizes(), " but expected [", p.N,
+              ", ", p.C, ", ", p.Ho, ", ", p.Wo, "] for an input of [", p.N, ", ", p.C, ", ",
+              p.H, ", ", p.W, "] with K=", p.K, " and stride ", p.stride);
+}
+
+DepthwiseProblem check_forward(const at::Tensor& input, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias, int64_t stride) {
+  check_4d(input, "input");
+  check_dtype(input, "input");
+  check_same_device(input, "input", weight, "weight");
+  check_same_dtype(input, "input", weight, "weight");
+  const int64_t K = check_weight(weight, input.size(1));
+  check_bias(bias, input, input.size(1));
+  check_stride(stride);
+  return make_problem(input.size(0), input.size(1), input.size(2), input.size(3), K, stride,
+                      check_layout({{&input, "input"}}));
+}
+
+DepthwiseProblem check_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                      int64_t stride, at::IntArrayRef input_size) {
+  check_4d(grad_output, "grad_output");
+  check_dtype(grad_output, "grad_output");
+  check_same_device(grad_output, "grad_output", weight, "weight");
+  check_same_dtype(grad_output, "grad_output", weight, "weight");
+  const int64_t K = check_weight(weight, grad_output.size(1));
+  check_stride(stride);
+  TORCH_CHECK(input_size.size() == 2 && input_size[0] >= 1 && input_size[1] >= 1,
+              "LumenBridge: input_size must be [H, W] with H, W >= 1, got ", input_size);
+  const Layout layout = check_layout({{&grad_output, "grad_output"}});
+  const DepthwiseProblem p = make_problem(grad_output.size(0), grad_output.size(1),
+                                          input_size[0], input_size[1], K, stride, layout);
+  check_grad_output_shape(grad_output, p);
+  return p;
+}
+
+DepthwiseProblem check_backward_weight(const at::Tensor& grad_output, const at::Tensor& input,
+                                       int64_t kernel_size, int64_t stride) {
+  check_4d(input, "input");
+  check_4d(grad_output, "grad_output");
+  check_dtype(input, "input");
+  check_same_device(input, "input", grad_output, "grad_output");
+  check_same_dtype(input, "input", grad_output, "grad_output");
+  check_kernel_size(kernel_size);
+  check_stride(stride);
+  const Layout layout = check_layout({{&input, "input"}, {&grad_output, "grad_output"}});
+  const DepthwiseProblem p = make_problem(input.size(0), input.size(1), input.size(2),
+                                          input.size(3), kernel_size, stride, layout);
+  check_grad_output_shape(grad_output, p);
+  return p;
+}
+
+// One entry point per op, instantiated once per device's kernels: the checks
+// run first, then the kernel, whatever the device.
+template <auto kernel>
+at::Tensor forward_entry(const at::Tensor& input, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, int64_t stride) {
+  return kernel(input, weight, bias, check_forward(input, weight, bias, stride));
+}
+
+template <auto kernel>
+at::Tensor backward_input_entry(const at::Tensor& grad_output, const at::Tensor& weight,
+                                int64_t stride, at::IntArrayRef input_size) {
+  return kernel(grad_output, weight, check_backward_input(grad_output, weight, stride, input_size));
+}
+
+template <auto kernel>
+std::tuple<at::Tensor, at::Tensor> backward_weight_entry(const at::Tensor& grad_output,
+                                                         const at::Tensor& input,
+                                                         int64_t kernel_size, int64_t stride) {
+  return kernel(grad_output, input,
+                check_backward_weight(grad_output, input, kernel_size, stride));
+}
+
+}  // namespace
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
+                      at::MemoryFormat memory_format) {
+  at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
+  if (poison_outputs.load()) out.fill_(std::numeric_limits<double>::quiet_NaN());
+  return out;
+}
+
+TORCH_LIBRARY(lumenbridge, m) {
+  m.def("depthwise_conv2d(Tensor input, Tensor weight, Tensor? bias, int stride) -> Tensor");
+  m.def(
+      "depthwise_conv2d_backward_input(Tensor grad_output, Tensor weight, int stride, "
+      "int[2] input_size) -> Tensor");
+  m.def(
+      "depthwise_conv2d_backward_weight(Tensor grad_output, Tensor input, int kernel_size, "
+      "int stride) -> (Tensor, Tensor)");
+  m.def("_set_poison_outputs(bool enabled) -> ()", &set_poison_outputs);
+}
+
+TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
+  m.impl("depthwise_conv2d", &forward_entry<cpu::depthwise_forward>);
+  m.impl("depthwise_conv2d_backward_input", &backward_input_entry<cpu::depthwise_backward_input>);
+  m.impl("depthwise_conv2d_backward_weight",
+         &backward_weight_entry<cpu::depthwise_backward_weight>);
+}
+
+#ifdef LUMENBRIDGE_WITH_CUDA
+TORCH_LIBRARY_IMPL(lumenbridge, CUDA, m) {
+  m.impl("depthwise_conv2d", &forward_entry<cuda::depthwise_forward>);
+  m.impl("depthwise_conv2d_backward_input",
+         &backward_input_entry<cuda::depthwise_backward_input>);
+  m.impl("depthwise_conv2d_backward_weight",
+         &backward_weight_entry<cuda::depthwise_backward_weight>);
+}
+#endif
+
+}  // namespace lumenbridge

@@ -1,0 +1,65 @@
+// The contract between the operator gateway (gateway.cpp) and the per-device
+// kernels (cpu/, cuda/). The gateway validates every argument once and hands
+// the kernels a DepthwiseProblem whose fields they may trust without checking.
+#pragma once
+
+#include <torch/types.h>
+
+namespace lumenbridge {
+
+// Memory layouts the kernels read natively. Anything else is rejected by the
+// gateway; the Python layer makes tensors dense explicitly before calling.
+enum class Layout { NCHW, NHWC };
+
+// One depthwise convolution: input [N, C, H, W] -> output [N, C, Ho, Wo],
+// weight [C, 1, K, K], zero padding K / 2 on every side.
+struct DepthwiseProblem {
+  int64_t N, C, H, W;    // input (or grad_input) extents
+  int64_t Ho, Wo;        // output (or grad_output) extents
+  int64_t K, stride, pad;
+  Layout layout;
+  at::MemoryFormat memory_format() const {
+    return layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                  : at::MemoryFormat::Contiguous;
+  }
+};
+
+// Output extent of one spatial dimension, shared by gateway and fake kernels.
+inline int64_t depthwise_output_extent(int64_t in, int64_t K, int64_t stride) {
+  return (in + 2 * (K / 2) - K) / stride + 1;
+}
+
+// Allocates a kernel output through ATen (so CUDA graphs and the caching
+// allocator see it). When poisoning is on (tests only, via the op
+// lumenbridge::_set_poison_outputs), floating outputs are filled with NaN
+// first, so an element the kernel fails to write shows up.
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
+                      at::MemoryFormat memory_format);
+
+// Kernel entry points. Each allocates its outputs with ATen (in the problem's
+// memory format) and launches on the current stream.
+//   forward:          out[n,c,y,x] = bias[c] + sum_{i,j} w[c,i,j] * in[n,c,y*s+i-p,x*s+j-p]
+//   backward_input:   grad_input  [N, C, H, W]   from grad_output and weight
+//   backward_weight:  (grad_weight [C, 1, K, K], grad_bias [C]) from grad_output and input;
+//                     accumulated in float32 in a fixed order (bitwise deterministic).
+namespace cpu {
+at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p);
+at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                    const DepthwiseProblem& p);
+std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
+                                                             const at::Tensor& input,
+                                                             const DepthwiseProblem& p);
+}  // namespace cpu
+
+namespace cuda {
+at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p);
+at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                    const DepthwiseProblem& p);
+std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
+                                                             const at::Tensor& input,
+                                                             const DepthwiseProblem& p);
+}  // namespace cuda
+
+}  // namespace lumenbridge

@@ -1,0 +1,69 @@
+"""Checkpoints: config.json plus model.safetensors in one directory. No pickle.
+
+Files are written to temporary names and renamed into place, so a failure
+midway never leaves a half-written checkpoint or damages an older one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import safetensors.torch
+
+from .config import TokenizerConfig
+
+if TYPE_CHECKING:
+    from .model import VisualTokenizer
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _replace_atomically(target: Path, write) -> None:
+    """Call write(temporary_path), then rename the result onto target."""
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def save(model: "VisualTokenizer", directory: str | Path) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # safetensors stores dense tensors; channels-last parameters are made contiguous.
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    _replace_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path))
+    _replace_atomically(directory / CONFIG_NAME, lambda path: Path(path).write_text(model.config.to_json() + "\n"))
+
+
+def _require(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file {path} does not exist")
+    return path
+
+
+def read_config(directory: str | Path) -> TokenizerConfig:
+    return TokenizerConfig.from_json(_require(Path(directory) / CONFIG_NAME).read_text())
+
+
+def load_weights(model: "VisualTokenizer", directory: str | Path) -> None:
+    """Load model.safetensors into model, naming any missing, unexpected or mis-shaped tensor."""
+    path = _require(Path(directory) / WEIGHTS_NAME)
+    stored = safetensors.torch.load_file(path)
+    expected = model.state_dict()
+    problems = [f"missing tensor {name!r}" for name in expected if name not in stored]
+    problems += [f"unexpected tensor {name!r}" for name in stored if name not in expected]
+    problems += [
+        f"tensor {name!r} has shape {list(stored[name].shape)} but the model expects {list(t.shape)}"
+        for name, t in expected.items()
+        if name in stored and stored[name].shape != t.shape
+    ]
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match the model: " + "; ".join(problems))
+    model.load_state_dict(stored)

@@ -1,0 +1,363 @@
+"""The `lumenbridge` command: tokenize images to a safetensors file, report the setup, build the kernels."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import safetensors.torch
+import torch
+from tqdm import tqdm
+
+import lumenbridge
+from lumenbridge.images import ImageFileDataset, collate_images, default_resize, discover_images, sample_image_paths
+
+EXIT_OK = 0
+EXIT_SOME_SKIPPED = 1
+EXIT_USAGE = 2
+
+TOKEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  every image was tokenized and the output written
+  1  the output was written, but some unreadable images were skipped
+     (each is named on stderr with the reason)
+  2  usage error, or no image could be read; no output is written
+"""
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs, reported before any output is written."""
+
+
+@dataclass
+class TokenizeResult:
+    tokens: torch.Tensor | None  # [images read, ...model output per image]; None when none was readable
+    paths: list[str]  # source of each row of tokens, in order
+    failures: list[tuple[str, str]]  # (path, reason) of each skipped image
+    seconds: float
+
+
+def tokenize_files(
+    model: torch.nn.Module,
+    paths: Sequence[str],
+    *,
+    image_size: int,
+    resize: int | None = None,
+    batch_size: int = 32,
+    workers: int = 0,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    on_failure: Callable[[str, str], None] | None = None,
+) -> TokenizeResult:
+    """Tokenizes image files in order on the model's device, skipping unreadable ones.
+
+    on_failure(path, reason) is called as each unreadable image is found.
+    """
+    paths = list(paths)
+    device = next(model.parameters()).device
+    loader = torch.utils.data.DataLoader(
+        ImageFileDataset(paths, image_size, resize),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=collate_images,
+        pin_memory=device.type == "cuda",
+    )
+    tokens = None
+    kept: list[str] = []
+    failures: list[tuple[str, str]] = []
+    started = time.perf_counter()
+    with torch.inference_mode(), tqdm(total=len(paths), unit="img", file=sys.stderr, disable=not progress) as bar:
+        for batch in loader:
+            for index, reason in batch.failures:
+                failures.append((paths[index], reason))
+                if on_failure is not None:
+                    on_failure(paths[index], reason)
+            if batch.pixels is not None:
+                output = model(batch.pixels.to(device, non_blocking=True)).to(dtype)
+                if tokens is None:
+                    # One buffer for every image, filled in place: no concatenation
+                    # copy at the end, which matters at millions of images.
+                    tokens = torch.empty((len(paths), *output.shape[1:]), dtype=dtype)
+                tokens[len(kept) : len(kept) + len(output)].copy_(output)
+                kept.extend(paths[index] for index in batch.indices)
+            bar.update(len(batch.indices) + len(batch.failures))
+    seconds = time.perf_counter() - started
+    if tokens is not None:
+        tokens = tokens[: len(kept)]
+    return TokenizeResult(tokens, kept, failures, seconds)
+
+
+def save_tokens_atomically(path: str, tokens: torch.Tensor, metadata: dict[str, str]) -> None:
+    """Writes the tokens file so that `path` only ever holds a complete file.
+
+    The data goes to a temporary file in the same directory (so the final
+    rename stays on one filesystem), is flushed to disk, and then replaces
+    `path` in one step; an existing output survives any failure before that.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    try:
+        safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata)
+        with open(temporary, "r+b") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def best_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device the user asked for, checked to exist here; the best one if none was asked for."""
+    if name is None:
+        return best_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(f"invalid --device {name!r}: {error}") from error
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise UsageError(f"--device {name}: no such CUDA device here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: Apple MPS is not available here")
+    return device
+
+
+def load_model(args: argparse.Namespace) -> tuple[lumenbridge.VisualTokenizer, str]:
+    """The model to tokenize with, and how its weights are described in the output metadata."""
+    if args.weights is not None:
+        try:
+            model = lumenbridge.VisualTokenizer.from_pretrained(args.weights, backend=args.backend)
+        except Exception as error:  # any failure to read the checkpoint is a bad --weights argument
+            raise UsageError(f"cannot load --weights {args.weights}: {error}") from error
+        return model, args.weights
+    preset = args.preset or "lumenbridge-base"
+    seed = 0 if args.seed is None else args.seed
+    try:
+        config = lumenbridge.TokenizerConfig.preset(preset)
+        model = lumenbridge.VisualTokenizer(config, seed=seed, backend=args.backend)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    print(
+        f"note: no --weights given: {preset} uses seeded random initialization (seed {seed}), "
+        "not trained weights; the tokens are only useful for testing",
+        file=sys.stderr,
+    )
+    return model, f"seeded-init:{seed}"
+
+
+def check_output_path(path: str) -> None:
+    """Fails early, before any work, if the output could not be written where asked."""
+    if os.path.isdir(path):
+        raise UsageError(f"--out {path} is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--out {path}: directory {directory} does not exist")
+
+
+def input_paths(paths: Sequence[str]) -> list[str]:
+    """The image files named on the command line, or the sample photos if none were."""
+    try:
+        if paths:
+            return discover_images(paths)
+        samples = sample_image_paths()
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from error
+    print(f"no PATHS given: tokenizing the {len(samples)} sample photos bundled with scikit-image", file=sys.stderr)
+    return samples
+
+
+def preprocessing_sizes(args: argparse.Namespace, model: lumenbridge.VisualTokenizer) -> tuple[int, int]:
+    """(image_size, resize) from the command line, defaulting to the model's configuration."""
+    image_size = model.config.image_size if args.image_size is None else args.image_size
+    try:
+        model.feature_size(image_size, image_size)
+    except ValueError as error:
+        raise UsageError(f"--image-size {image_size}: {error}") from error
+    resize = default_resize(image_size) if args.resize is None else args.resize
+    if resize < image_size:
+        raise UsageError(f"--resize ({resize}) must be at least --image-size ({image_size})")
+    return image_size, resize
+
+
+def report_skipped(path: str, reason: str) -> None:
+    tqdm.write(f"skipped {path}: {reason}", file=sys.stderr)
+
+
+def selected_backend(device: torch.device, requested: str | None) -> str:
+    """The name of the backend that will run the model on device; fails early on an impossible request."""
+    try:
+        return lumenbridge.select_backend(device, requested).name
+    except (ValueError, RuntimeError) as error:
+        raise UsageError(f"--backend: {error}") from error
+
+
+def print_summary(result: TokenizeResult, device: torch.device, backend: str, out: str) -> None:
+    count = len(result.paths)
+    rate = count / result.seconds if result.seconds > 0 else float("inf")
+    print(f"tokenized {count} images -> tokens {list(result.tokens.shape)} {str(result.tokens.dtype).removeprefix('torch.')}")
+    print(f"throughput: {rate:.1f} images/s on {device} (backend: {backend})")
+    print(f"wrote {out}")
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    try:
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
+        if args.workers < 0:
+            raise UsageError(f"--workers must be zero or more, got {args.workers}")
+        if args.weights is not None and (args.preset is not None or args.seed is not None):
+            raise UsageError("--preset and --seed choose a randomly initialized model; they cannot be used with --weights")
+        check_output_path(args.out)
+        paths = input_paths(args.paths)
+        device = resolve_device(args.device)
+        backend = selected_backend(device, args.backend)
+        model, weights = load_model(args)
+        image_size, resize = preprocessing_sizes(args, model)
+    except UsageError as error:
+        print(f"lumenbridge: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    model = model.to(device).eval()
+    result = tokenize_files(
+        model,
+        paths,
+        image_size=image_size,
+        resize=resize,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        dtype=TOKEN_DTYPES[args.dtype],
+        on_failure=report_skipped,
+    )
+    if result.tokens is None:
+        print(f"lumenbridge: error: none of the {len(paths)} images could be read; no output written", file=sys.stderr)
+        return EXIT_USAGE
+
+    metadata = {
+        "paths": json.dumps(result.paths),
+        "config": model.config.to_json(),
+        "weights": weights,
+        "preprocess": json.dumps({"image_size": image_size, "resize": resize}),
+    }
+    save_tokens_atomically(args.out, result.tokens, metadata)
+    print_summary(result, device, backend, args.out)
+    if result.failures:
+        print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
+        return EXIT_SOME_SKIPPED
+    return EXIT_OK
+
+
+def visible_devices() -> list[str]:
+    devices = ["cpu"]
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        devices.append(
+            f"cuda:{index} {properties.name} (sm_{properties.major}{properties.minor}, "
+            f"{properties.total_memory / 2**30:.1f} GiB)"
+        )
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def run_info(args: argparse.Namespace) -> int:
+    print(f"lumenbridge {lumenbridge.__version__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'not built in'})")
+    print(f"python {platform.python_version()} on {platform.platform()}")
+    print("devices: " + ", ".join(visible_devices()))
+    print(lumenbridge.backends())
+    return EXIT_OK
+
+
+def run_build(args: argparse.Namespace) -> int:
+    try:
+        report = lumenbridge.extension.build()
+    except lumenbridge.extension.BuildError as error:
+        print(f"lumenbridge: build failed: {error}", file=sys.stderr)
+        return 1
+    print(report)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lumenbridge",
+        description="LumenBridge visual tokenizer: images to transformer tokens.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tokenize = commands.add_parser(
+        "tokenize",
+        help="tokenize images into one safetensors file",
+        description=(
+            "Tokenize images into one safetensors file holding the tensor 'tokens' [N, T, D] "
+            "and metadata 'paths' (JSON list, one source path per row), 'config', 'weights' and "
+            "'preprocess'. Unreadable images are named on stderr and skipped. The output is "
+            "written atomically, so a failed run leaves an existing file untouched."
+        ),
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tokenize.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATHS",
+        help="image files, folders (searched recursively for .jpg .jpeg .png .webp) or glob patterns; "
+        "none: the sample photos bundled with scikit-image",
+    )
+    tokenize.add_argument("--out", required=True, help="output .safetensors file")
+    tokenize.add_argument("--weights", metavar="DIR", help="checkpoint folder written by save_pretrained")
+    tokenize.add_argument(
+        "--preset",
+        choices=sorted(lumenbridge.PRESETS),
+        help="architecture of the randomly initialized model used without --weights (default: lumenbridge-base)",
+    )
+    tokenize.add_argument("--seed", type=int, help="initialization seed used without --weights (default: 0)")
+    tokenize.add_argument("--image-size", type=int, help="side of the square crop (default: the model's image_size)")
+    tokenize.add_argument("--resize", type=int, help="shorter side before cropping (default: image size * 256/224)")
+    tokenize.add_argument("--batch-size", type=int, default=32, help="images per batch (default: 32)")
+    tokenize.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="image decoding processes; 0 decodes in this process (default: min(4, CPU count))",
+    )
+    tokenize.add_argument("--device", help="torch device (default: cuda, else mps, else cpu)")
+    tokenize.add_argument("--backend", help="kernel backend passed to the model (default: automatic)")
+    tokenize.add_argument(
+        "--dtype", choices=list(TOKEN_DTYPES), default="float32", help="dtype of the stored tokens (default: float32)"
+    )
+    tokenize.set_defaults(handler=run_tokenize)
+
+    info = commands.add_parser("info", help="print versions, devices and kernel backends")
+    info.set_defaults(handler=run_info)
+
+    build = commands.add_parser("build", help="build the C++/CUDA extension now")
+    build.set_defaults(handler=run_build)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:
+        # argparse exits on --help (0) and on usage errors (2); return the code instead.
+        return exit.code if isinstance(exit.code, int) else EXIT_USAGE
+    return args.handler(args)

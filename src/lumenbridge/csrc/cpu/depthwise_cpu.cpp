@@ -1,0 +1,358 @@
+// CPU kernels for the depthwise convolution, reading NCHW and NHWC natively.
+//
+// NCHW: one task per output (or input) row of one (n, c) plane; each tap adds
+// a strided row segment into a row of opmath accumulators, so the innermost
+// loop is a plain axpy along x.
+// NHWC: one task per image row; each pixel accumulates its valid taps with the
+// innermost loop running over contiguous channels.
+// The gateway has validated every argument; nothing is re-checked here.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "../gateway.h"
+
+namespace lumenbridge::cpu {
+namespace {
+
+// Multiply-adds a parallel_for chunk should hold at least, so that small
+// problems are not split across threads.
+constexpr int64_t kMinTaskWork = 32768;
+
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_item));
+}
+
+// Half-open range [lo, hi) of positions o in [0, n_out) whose source position
+// o * s + off lies in [0, n_in). Used both for output columns of one tap and,
+// with s = 1, for the taps of one output pixel; hi <= lo means empty.
+struct Range {
+  int64_t lo, hi;
+};
+
+Range valid_range(int64_t off, int64_t s, int64_t n_out, int64_t n_in) {
+  const int64_t lo = off < 0 ? (-off + s - 1) / s : 0;
+  const int64_t last = n_in - 1 - off;
+  return {lo, last < 0 ? 0 : std::min(n_out, last / s + 1)};
+}
+
+// Calls f with the stride as a compile-time constant, so that the row loops
+// below have a constant step and vectorize.
+template <typename F>
+void with_stride(int64_t stride, F&& f) {
+  if (stride == 1) {
+    f(std::integral_constant<int64_t, 1>{});
+  } else {
+    f(std::integral_constant<int64_t, 2>{});
+  }
+}
+
+// acc[o] += w * src[o * S + off]: one tap of the forward along a row.
+template <int64_t S, typename acc_t, typename src_t>
+void row_gather(acc_t* __restrict acc, const src_t* __restrict src, acc_t w, Range r,
+                int64_t off) {
+  for (int64_t o = r.lo; o < r.hi; ++o) acc[o] += w * static_cast<acc_t>(src[o * S + off]);
+}
+
+// acc[o * S + off] += w * src[o]: the transpose of row_gather, for grad_input.
+template <int64_t S, typename acc_t, typename src_t>
+void row_scatter(acc_t* __restrict acc, const src_t* __restrict src, acc_t w, Range r,
+                 int64_t off) {
+  for (int64_t o = r.lo; o < r.hi; ++o) acc[o * S + off] += w * static_cast<acc_t>(src[o]);
+}
+
+// acc[o] += g[o] * src[o * S + off]: per-column partial products of one tap's
+// weight gradient, summed over x only at the end (keeps the loop vectorizable).
+template <int64_t S, typename acc_t, typename src_t>
+void row_products(acc_t* __restrict acc, const src_t* __restrict g, const src_t* __restrict src,
+                  Range r, int64_t off) {
+  for (int64_t o = r.lo; o < r.hi; ++o) {
+    acc[o] += static_cast<acc_t>(g[o]) * static_cast<acc_t>(src[o * S + off]);
+  }
+}
+
+// acc[c] += w[c] * src[c] over contiguous channels (NHWC).
+template <typename acc_t, typename src_t>
+void channel_axpy(acc_t* __restrict acc, const acc_t* __restrict w, const src_t* __restrict src,
+                  int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += w[c] * static_cast<acc_t>(src[c]);
+}
+
+// acc[c] += a[c] * b[c] over contiguous channels (NHWC weight gradient).
+template <typename acc_t, typename src_t>
+void channel_products(acc_t* __restrict acc, const src_t* __restrict a,
+                      const src_t* __restrict b, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
+}
+
+// Weight [C, 1, K, K] as opmath [K*K][C], so NHWC loops read one tap's
+// weights for all channels contiguously.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+std::vector<acc_t> taps_by_channel(const scalar_t* w, const DepthwiseProblem& p) {
+  const int64_t KK = p.K * p.K;
+  std::vector<acc_t> wt(KK * p.C);
+  for (int64_t c = 0; c < p.C; ++c) {
+    for (int64_t t = 0; t < KK; ++t) wt[t * p.C + c] = static_cast<acc_t>(w[c * KK + t]);
+  }
+  return wt;
+}
+
+template <typename scalar_t, int64_t S>
+void forward_nchw(const scalar_t* in, const scalar_t* w, const scalar_t* bias, scalar_t* out,
+                  const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  at::parallel_for(0, p.N * p.C * p.Ho, grain_for(p.Wo * p.K * p.K), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(p.Wo);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t plane = row / p.Ho, y = row % p.Ho, c = plane % p.C;
+      const scalar_t* w_c = w + c * p.K * p.K;
+      std::fill(acc.begin(), acc.end(), bias ? static_cast<acc_t>(bias[c]) : acc_t(0));
+      const Range taps_i = valid_range(y * S - p.pad, 1, p.K, p.H);
+      for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
+        const scalar_t* in_row = in + (plane * p.H + y * S + i - p.pad) * p.W;
+        for (int64_t j = 0; j < p.K; ++j) {
+          const int64_t off = j - p.pad;
+          row_gather<S>(acc.data(), in_row, static_cast<acc_t>(w_c[i * p.K + j]),
+                        valid_range(off, S, p.Wo, p.W), off);
+        }
+      }
+      std::copy(acc.begin(), acc.end(), out + row * p.Wo);
+    }
+  });
+}
+
+template <typename scalar_t>
+void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, scalar_t* out,
+                  const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const std::vector<acc_t> wt = taps_by_channel(w, p);
+  std::vector<acc_t> bias_acc(p.C, acc_t(0));
+  if (bias) std::copy(bias, bias + p.C, bias_acc.begin());
+  const int64_t C = p.C;
+  at::parallel_for(0, p.N * p.Ho, grain_for(p.Wo * C * p.K * p.K), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(C);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / p.Ho, y = row % p.Ho;
+      const Range taps_i = valid_range(y * p.stride - p.pad, 1, p.K, p.H);
+      for (int64_t x = 0; x < p.Wo; ++x) {
+        const Range taps_j = valid_range(x * p.stride - p.pad, 1, p.K, p.W);
+        std::copy(bias_acc.begin(), bias_acc.end(), acc.begin());
+        for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
+          const int64_t iy = y * p.stride + i - p.pad;
+          for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
+            const int64_t ix = x * p.stride + j - p.pad;
+            channel_axpy(acc.data(), wt.data() + (i * p.K + j) * C,
+                         in + ((n * p.H + iy) * p.W + ix) * C, C);
+          }
+        }
+        std::copy(acc.begin(), acc.end(), out + (row * p.Wo + x) * C);
+      }
+    }
+  });
+}
+
+// grad_input gathers, for each input row, the output rows that read it: input
+// row q meets output row y through tap i when y * S + i - pad == q.
+template <typename scalar_t, int64_t S>
+void backward_input_nchw(const scalar_t* go, const scalar_t* w, scalar_t* gi,
+                         const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  at::parallel_for(0, p.N * p.C * p.H, grain_for(p.W * p.K * p.K / S), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(p.W);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t plane = row / p.H, q = row % p.H, c = plane % p.C;
+      const scalar_t* w_c = w + c * p.K * p.K;
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t i = 0; i < p.K; ++i) {
+        const int64_t t = q + p.pad - i;
+        if (t < 0 || t % S != 0 || t / S >= p.Ho) continue;
+        const scalar_t* go_row = go + (plane * p.Ho + t / S) * p.Wo;
+        for (int64_t j = 0; j < p.K; ++j) {
+          const int64_t off = j - p.pad;
+          row_scatter<S>(acc.data(), go_row, static_cast<acc_t>(w_c[i * p.K + j]),
+                         valid_range(off, S, p.Wo, p.W), off);
+        }
+      }
+      std::copy(acc.begin(), acc.end(), gi + row * p.W);
+    }
+  });
+}
+
+template <typename scalar_t>
+void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
+                         const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const std::vector<acc_t> wt = taps_by_channel(w, p);
+  const int64_t C = p.C, s = p.stride;
+  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * p.K * p.K / s), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(C);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / p.H, q = row % p.H;
+      for (int64_t ix = 0; ix < p.W; ++ix) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t i = 0; i < p.K; ++i) {
+          const int64_t ty = q + p.pad - i;
+          if (ty < 0 || ty % s != 0 || ty / s >= p.Ho) continue;
+          for (int64_t j = 0; j < p.K; ++j) {
+            const int64_t tx = ix + p.pad - j;
+            if (tx < 0 || tx % s != 0 || tx / s >= p.Wo) continue;
+            channel_axpy(acc.data(), wt.data() + (i * p.K + j) * C,
+                         go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C, C);
+          }
+        }
+        std::copy(acc.begin(), acc.end(), gi + (row * p.W + ix) * C);
+      }
+    }
+  });
+}
+
+// One task per channel, reducing over (n, y) into per-column partials and
+// then over x, always in the same order: bitwise deterministic whatever the
+// thread count.
+template <typename scalar_t, int64_t S>
+void backward_weight_nchw(const scalar_t* go, const scalar_t* in, scalar_t* gw, scalar_t* gb,
+                          const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t KK = p.K * p.K, Wo = p.Wo;
+  at::parallel_for(0, p.C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> part((KK + 1) * Wo);  // KK tap rows, then the bias row
+    acc_t* part_bias = part.data() + KK * Wo;
+    for (int64_t c = begin; c < end; ++c) {
+      std::fill(part.begin(), part.end(), acc_t(0));
+      for (int64_t n = 0; n < p.N; ++n) {
+        const int64_t plane = n * p.C + c;
+        for (int64_t y = 0; y < p.Ho; ++y) {
+          const scalar_t* go_row = go + (plane * p.Ho + y) * Wo;
+          for (int64_t x = 0; x < Wo; ++x) part_bias[x] += static_cast<acc_t>(go_row[x]);
+          const Range taps_i = valid_range(y * S - p.pad, 1, p.K, p.H);
+          for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
+            const scalar_t* in_row = in + (plane * p.H + y * S + i - p.pad) * p.W;
+            for (int64_t j = 0; j < p.K; ++j) {
+              const int64_t off = j - p.pad;
+              row_products<S>(part.data() + (i * p.K + j) * Wo, go_row, in_row,
+                              valid_range(off, S, Wo, p.W), off);
+            }
+          }
+        }
+      }
+      for (int64_t t = 0; t <= KK; ++t) {
+        acc_t sum = 0;
+        for (int64_t x = 0; x < Wo; ++x) sum += part[t * Wo + x];
+        if (t < KK) {
+          gw[c * KK + t] = static_cast<scalar_t>(sum);
+        } else {
+          gb[c] = static_cast<scalar_t>(sum);
+        }
+      }
+    }
+  });
+}
+
+// One task per block of channels; each channel is reduced per image row, then
+// over rows, in an order that depends on neither the block size nor the
+// threads: bitwise deterministic.
+template <typename scalar_t>
+void backward_weight_nhwc(const scalar_t* go, const scalar_t* in, scalar_t* gw, scalar_t* gb,
+                          const DepthwiseProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t KK = p.K * p.K, C = p.C, s = p.stride;
+  // Blocks of at most 64 channels, balanced (e.g. 96 -> 2 x 48).
+  const int64_t num_blocks = (C + 63) / 64;
+  const int64_t block = (C + num_blocks - 1) / num_blocks;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> total((KK + 1) * block), row_acc((KK + 1) * block);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t c0 = b * block, nc = std::min(block, C - c0);
+      std::fill(total.begin(), total.end(), acc_t(0));
+      for (int64_t n = 0; n < p.N; ++n) {
+        for (int64_t y = 0; y < p.Ho; ++y) {
+          std::fill(row_acc.begin(), row_acc.end(), acc_t(0));
+          const Range taps_i = valid_range(y * s - p.pad, 1, p.K, p.H);
+          for (int64_t x = 0; x < p.Wo; ++x) {
+            const Range taps_j = valid_range(x * s - p.pad, 1, p.K, p.W);
+            const scalar_t* go_px = go + ((n * p.Ho + y) * p.Wo + x) * C + c0;
+            acc_t* row_bias = row_acc.data() + KK * nc;
+            for (int64_t c = 0; c < nc; ++c) row_bias[c] += static_cast<acc_t>(go_px[c]);
+            for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
+              const int64_t iy = y * s + i - p.pad;
+              for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
+                const int64_t ix = x * s + j - p.pad;
+                channel_products(row_acc.data() + (i * p.K + j) * nc, go_px,
+                                 in + ((n * p.H + iy) * p.W + ix) * C + c0, nc);
+              }
+            }
+          }
+          for (int64_t k = 0; k < (KK + 1) * nc; ++k) total[k] += row_acc[k];
+        }
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t t = 0; t < KK; ++t) gw[(c0 + c) * KK + t] = static_cast<scalar_t>(total[t * nc + c]);
+        gb[c0 + c] = static_cast<scalar_t>(total[KK * nc + c]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
+  at::Tensor out = new_output({p.N, p.C, p.Ho, p.Wo}, input.options(), p.memory_format());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
+                                  "lumenbridge_depthwise_forward_cpu", [&] {
+    const scalar_t* in = input.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    if (p.layout == Layout::NHWC) {
+      forward_nhwc(in, w, b, o, p);
+    } else {
+      with_stride(p.stride, [&](auto S) { forward_nchw<scalar_t, S>(in, w, b, o, p); });
+    }
+  });
+  return out;
+}
+
+at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                    const DepthwiseProblem& p) {
+  at::Tensor gi = new_output({p.N, p.C, p.H, p.W}, grad_output.options(), p.memory_format());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16,
+                                  grad_output.scalar_type(), "lumenbridge_depthwise_backward_input_cpu", [&] {
+    const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    scalar_t* g = gi.mutable_data_ptr<scalar_t>();
+    if (p.layout == Layout::NHWC) {
+      backward_input_nhwc(go, w, g, p);
+    } else {
+      with_stride(p.stride, [&](auto S) { backward_input_nchw<scalar_t, S>(go, w, g, p); });
+    }
+  });
+  return gi;
+}
+
+std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
+                                                             const at::Tensor& input,
+                                                             const DepthwiseProblem& p) {
+  // The weight is always contiguous [C, 1, K, K], whatever the activation layout.
+  at::Tensor gw = new_output({p.C, 1, p.K, p.K}, input.options(), at::MemoryFormat::Contiguous);
+  at::Tensor gb = new_output({p.C}, input.options(), at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
+                                  "lumenbridge_depthwise_backward_weight_cpu", [&] {
+    const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
+    const scalar_t* in = input.const_data_ptr<scalar_t>();
+    scalar_t* w = gw.mutable_data_ptr<scalar_t>();
+    scalar_t* b = gb.mutable_data_ptr<scalar_t>();
+    if (p.layout == Layout::NHWC) {
+      backward_weight_nhwc(go, in, w, b, p);
+    } else {
+      with_stride(p.stride, [&](auto S) { backward_weight_nchw<scalar_t, S>(go, in, w, b, p); });
+    }
+  });
+  return {gw, gb};
+}
+
+}  // namespace lumenbridge::cpu

@@ -1,0 +1,148 @@
+"""Backend selection: the one place that decides which implementation runs
+the convolutions on a device, and why.
+
+Two implementations exist:
+  reference  pure PyTorch (reference.py); runs wherever PyTorch runs.
+  native     the C++ gateway and LumenBridge kernels (torch.ops.lumenbridge),
+             on CPU and, where built, CUDA.
+The choice, in order: the `backend=` argument, the LUMENBRIDGE_BACKEND
+environment variable, then the default for the device type (DEFAULTS).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import extension, native, reference
+
+BACKEND_ENV = "LUMENBRIDGE_BACKEND"
+
+# Default per device type. On CPU the reference wins: PyTorch's oneDNN
+# depthwise convolution beats our portable C++ kernels (benchmarks/NOTES.md).
+DEFAULTS = {"cuda": "native", "cpu": "reference"}
+
+
+class Backend:
+    """A set of convolution implementations with one signature each.
+    separable_conv is the fusable unit: a backend may replace the composition
+    with one fused call without the model changing."""
+
+    name: str
+
+    def depthwise_conv2d(self, input, weight, bias, stride):
+        raise NotImplementedError
+
+    def pointwise_conv2d(self, input, weight, bias):
+        return reference.pointwise_conv2d(input, weight, bias)
+
+    def separable_conv(self, input, dw_weight, dw_bias, pw_weight, pw_bias, stride):
+        hidden = self.depthwise_conv2d(input, dw_weight, dw_bias, stride)
+        return self.pointwise_conv2d(hidden, pw_weight, pw_bias)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def depthwise_conv2d(self, input, weight, bias, stride):
+        return reference.depthwise_conv2d(input, weight, bias, stride)
+
+
+class NativeBackend(Backend):
+    """Depthwise convolutions through the native kernels; the pointwise 1x1
+    conv stays on cuBLAS/cuDNN (through PyTorch) until fused stages land."""
+
+    name = "native"
+
+    def depthwise_conv2d(self, input, weight, bias, stride):
+        # Under autocast, PyTorch's own convolutions run in the autocast dtype;
+        # do the same so mixed stages agree on one dtype.
+        if torch.is_autocast_enabled(input.device.type):
+            dtype = torch.get_autocast_dtype(input.device.type)
+            input, weight = input.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return native.depthwise_conv2d(input, weight, bias, stride)
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), NativeBackend())}
+
+
+def unavailable_reason(name: str, device_type: str) -> str | None:
+    """Why backend `name` cannot run on `device_type`, or None if it can."""
+    if name == "reference":
+        return None
+    if device_type not in ("cpu", "cuda"):
+        return f"the native kernels exist for cpu and cuda, not {device_type}"
+    if not native.ready():
+        return f"the native extension is not built: {extension.load_error()}"
+    if device_type == "cuda" and not extension.has_cuda_kernels():
+        return "the native extension was built without CUDA kernels"
+    return None
+
+
+def select_backend(device: torch.device | str, requested: str | None = None) -> Backend:
+    """The backend that runs convolutions for tensors on `device`.
+
+    An explicit request (argument or environment) that cannot be honoured is
+    an error; the automatic default falls back to the reference."""
+    device_type = torch.device(device).type
+    explicit = requested or os.environ.get(BACKEND_ENV) or None
+    if explicit is not None:
+        if explicit not in BACKENDS:
+            raise ValueError(f"unknown backend {explicit!r}; choose from {sorted(BACKENDS)}")
+        reason = unavailable_reason(explicit, device_type)
+        if reason is not None:
+            raise RuntimeError(f"backend {explicit!r} cannot run on {device_type}: {reason}")
+        return BACKENDS[explicit]
+    default = DEFAULTS.get(device_type, "reference")
+    if unavailable_reason(default, device_type) is None:
+        return BACKENDS[default]
+    return BACKENDS["reference"]
+
+
+@dataclass(frozen=True)
+class BackendReport:
+    """What lumenbridge.backends() returns: each implementation's status on
+    this machine, and the backend each visible device type would use."""
+
+    implementations: dict[str, str]
+    selection: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = ["implementations:"]
+        lines += [f"  {name:<10} {status}" for name, status in self.implementations.items()]
+        lines.append("selection (device -> backend):")
+        lines += [f"  {device:<10} {name}" for device, name in self.selection.items()]
+        if os.environ.get(BACKEND_ENV):
+            lines.append(f"  ({BACKEND_ENV}={os.environ[BACKEND_ENV]} is set)")
+        return "\n".join(lines)
+
+
+def visible_device_types() -> list[str]:
+    types = ["cpu"]
+    if torch.cuda.is_available():
+        types.append("cuda")
+    if torch.backends.mps.is_available():
+        types.append("mps")
+    return types
+
+
+def backends() -> BackendReport:
+    """Report the implementations on this machine and the per-device choice."""
+    devices = visible_device_types()
+    implementations = {}
+    for name in BACKENDS:
+        runs_on = [d for d in devices if unavailable_reason(name, d) is None]
+        if runs_on:
+            implementations[name] = "available on " + ", ".join(runs_on)
+        else:
+            implementations[name] = "unavailable: " + unavailable_reason(name, "cpu")
+    selection = {}
+    for device in devices:
+        try:
+            selection[device] = select_backend(device).name
+        except (ValueError, RuntimeError) as error:
+            selection[device] = f"error: {error}"
+    return BackendReport(implementations, selection)

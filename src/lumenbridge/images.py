@@ -1,0 +1,224 @@
+"""Image inputs for the tokenizer: finding files, decoding, preprocessing, batching.
+
+Decoding keeps Pillow's decompression-bomb limit on: inputs may come from
+untrusted sources, and a tiny file that expands to gigapixels must fail
+loudly instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.resources
+import os
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import torch
+from PIL import Image, ImageOps
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+
+SAMPLE_IMAGE_NAMES = (
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "rocket.jpg",
+    "motorcycle_left.png",
+    "hubble_deep_field.jpg",
+    "retina.jpg",
+    "camera.png",
+)
+
+# What a bad input file can raise while being opened and decoded.
+# UnidentifiedImageError and truncated-file errors are OSError subclasses;
+# some format plugins raise SyntaxError or EOFError on malformed data.
+IMAGE_READ_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    Image.DecompressionBombError,
+)
+
+_GLOB_CHARACTERS = frozenset("*?[")
+
+
+def is_image_file(path: str | os.PathLike) -> bool:
+    """Whether a path has one of the image extensions we pick up from folders and globs."""
+    return Path(path).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def images_in_folder(folder: str | os.PathLike) -> list[str]:
+    """All image files below a folder, recursively, in sorted order."""
+    return [
+        str(path)
+        for path in sorted(Path(folder).rglob("*"))
+        if path.is_file() and is_image_file(path)
+    ]
+
+
+def expand_input(path: str) -> list[str]:
+    """The image files one user-given path stands for.
+
+    An existing file is taken as is, whatever its extension (the user named it);
+    a folder gives its images; anything else is treated as a glob pattern.
+    """
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        return images_in_folder(path)
+    if not _GLOB_CHARACTERS.intersection(path):
+        return []
+    matches = []
+    for match in sorted(glob.glob(path, recursive=True)):
+        if os.path.isdir(match):
+            matches.extend(images_in_folder(match))
+        elif is_image_file(match):
+            matches.append(match)
+    return matches
+
+
+def discover_images(paths: Sequence[str]) -> list[str]:
+    """Expands files, folders and glob patterns into image files.
+
+    Keeps the order the user gave and drops repeats (the same file reached
+    twice, e.g. through a folder and a glob). Raises FileNotFoundError naming
+    the first path that yields no image.
+    """
+    found = []
+    seen = set()
+    for path in paths:
+        matches = expand_input(os.fspath(path))
+        if not matches:
+            raise FileNotFoundError(f"no image files found for {path!r}")
+        for match in matches:
+            key = os.path.normcase(os.path.abspath(match))
+            if key not in seen:
+                seen.add(key)
+                found.append(match)
+    return found
+
+
+def sample_image_paths() -> list[str]:
+    """The sample photos installed with scikit-image (no download needed)."""
+    try:
+        folder = importlib.resources.files("skimage.data")
+    except ModuleNotFoundError as error:
+        raise FileNotFoundError("sample photos need scikit-image, which is not installed") from error
+    paths = [str(folder / name) for name in SAMPLE_IMAGE_NAMES if (folder / name).is_file()]
+    if not paths:
+        raise FileNotFoundError(f"no sample photos found in scikit-image's data folder {folder}")
+    return paths
+
+
+def default_resize(image_size: int) -> int:
+    """Shorter-side resize before the center crop, keeping the usual 256/224 ratio."""
+    return round(image_size * 256 / 224)
+
+
+def decode_image(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
+    """Decodes an image file to RGB with its EXIF orientation applied.
+
+    min_side lets the JPEG decoder downscale by a power of two while keeping
+    both sides at least that long, which is much cheaper than decoding a
+    large photo at full size only to shrink it afterwards.
+    """
+    with Image.open(path) as image:
+        if min_side is not None:
+            image.draft("RGB", (min_side, min_side))
+        ImageOps.exif_transpose(image, in_place=True)
+        if image.mode == "P":
+            # Palette transparency only survives through RGBA.
+            return image.convert("RGBA").convert("RGB")
+        return image.convert("RGB")
+
+
+def resize_shorter_side(image: Image.Image, size: int) -> Image.Image:
+    """Scales an image so its shorter side is `size`, keeping the aspect ratio.
+
+    Pillow's bicubic filter widens with the scale factor, so downscaling is antialiased.
+    """
+    width, height = image.size
+    scale = size / min(width, height)
+    new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
+    return image.resize(new_size, Image.Resampling.BICUBIC)
+
+
+def center_crop(image: Image.Image, size: int) -> Image.Image:
+    """The central size x size square of an image at least that large on both sides."""
+    width, height = image.size
+    if width < size or height < size:
+        raise ValueError(f"cannot crop {size}x{size} from a {width}x{height} image")
+    left = (width - size) // 2
+    top = (height - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB image as a uint8 tensor [3, H, W]."""
+    width, height = image.size
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return pixels.view(height, width, 3).permute(2, 0, 1).contiguous()
+
+
+def preprocess(image: Image.Image, image_size: int, resize: int | None = None) -> torch.Tensor:
+    """Resize shorter side, center-crop to image_size, return uint8 [3, image_size, image_size]."""
+    resize = default_resize(image_size) if resize is None else resize
+    if resize < image_size:
+        raise ValueError(f"resize ({resize}) must be at least image_size ({image_size})")
+    return to_tensor(center_crop(resize_shorter_side(image, resize), image_size))
+
+
+def load_image(path: str | os.PathLike, image_size: int, resize: int | None = None) -> torch.Tensor:
+    """Decodes and preprocesses one file into a uint8 tensor [3, image_size, image_size]."""
+    resize = default_resize(image_size) if resize is None else resize
+    return preprocess(decode_image(path, min_side=resize), image_size, resize)
+
+
+class LoadedImage(NamedTuple):
+    """One dataset item: the pixels of image `index`, or why it could not be read."""
+
+    index: int
+    pixels: torch.Tensor | None
+    error: str | None
+
+
+class ImageBatch(NamedTuple):
+    """The readable images of a batch stacked together, plus the unreadable ones."""
+
+    indices: list[int]
+    pixels: torch.Tensor | None
+    failures: list[tuple[int, str]]
+
+
+class ImageFileDataset(torch.utils.data.Dataset):
+    """Preprocessed images from a list of files; a bad file becomes an error item, not an exception.
+
+    Errors are returned rather than raised so one corrupt file among millions
+    does not stop a DataLoader.
+    """
+
+    def __init__(self, paths: Sequence[str], image_size: int, resize: int | None = None):
+        self.paths = list(paths)
+        self.image_size = image_size
+        self.resize = default_resize(image_size) if resize is None else resize
+        if self.resize < image_size:
+            raise ValueError(f"resize ({self.resize}) must be at least image_size ({image_size})")
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> LoadedImage:
+        try:
+            pixels = load_image(self.paths[index], self.image_size, self.resize)
+        except IMAGE_READ_ERRORS as error:
+            return LoadedImage(index, None, f"{type(error).__name__}: {error}")
+        return LoadedImage(index, pixels, None)
+
+
+def collate_images(items: Sequence[LoadedImage]) -> ImageBatch:
+    """DataLoader collate function: stacks the good images, keeps the failures aside."""
+    good = [item for item in items if item.pixels is not None]
+    pixels = torch.stack([item.pixels for item in good]) if good else None
+    failures = [(item.index, item.error) for item in items if item.pixels is None]
+    return ImageBatch([item.index for item in good], pixels, failures)

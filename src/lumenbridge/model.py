@@ -1,0 +1,183 @@
+"""VisualTokenizer: images [B, C, H, W] in, tokens [B, N, D] out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint, ops
+from .config import TokenizerConfig
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an [N, C, H, W] tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _make_activation(name: str) -> nn.Module:
+    return {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "none": nn.Identity}[name]()
+
+
+def _make_stage_norm(name: str, channels: int) -> nn.Module:
+    return {"none": nn.Identity, "batchnorm": nn.BatchNorm2d, "layernorm": LayerNorm2d}[name](channels)
+
+
+class SeparableStage(nn.Module):
+    """Depthwise K x K (stride s) then pointwise 1 x 1, then the stage norm.
+    The two convolutions go through ops.separable_conv as one call, so a
+    backend can fuse them without this module changing."""
+
+    def __init__(self, in_chans: int, out_chans: int, kernel_size: int, stride: int, norm: str):
+        super().__init__()
+        self.stride = stride
+        self.dw = nn.Conv2d(in_chans, in_chans, kernel_size, stride, kernel_size // 2, groups=in_chans)
+        self.pw = nn.Conv2d(in_chans, out_chans, 1)
+        self.norm = _make_stage_norm(norm, out_chans)
+
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        x = ops.separable_conv(x, self.dw.weight, self.dw.bias, self.pw.weight, self.pw.bias, self.stride, backend=backend)
+        return self.norm(x)
+
+
+class VisualTokenizer(nn.Module):
+    """Turns images into a token sequence for transformer attention.
+
+    Args:
+        config: architecture; defaults to the lumenbridge-base preset.
+        backend: force "reference" or "native" (None: chosen per device, see dispatch.py).
+        dynamic_pad: pad H and W up to the next multiple of the total stride
+            instead of rejecting sizes that are not multiples.
+        check_finite: raise ValueError on NaN or Inf in float inputs (costs a device sync).
+        seed: initialise the parameters from this seed, reproducibly.
+
+    forward(images) takes uint8 images (0..255; normalized with config.mean/std)
+    or float images (already normalized), [B, in_chans, H, W] in any dense layout.
+    """
+
+    def __init__(
+        self,
+        config: TokenizerConfig | None = None,
+        *,
+        backend: str | None = None,
+        dynamic_pad: bool = False,
+        check_finite: bool = False,
+        seed: int | None = None,
+    ):
+        super().__init__()
+        self.config = config or TokenizerConfig()
+        self.backend = backend
+        self.dynamic_pad = dynamic_pad
+        self.check_finite = check_finite
+        cfg = self.config
+        with torch.random.fork_rng(enabled=seed is not None, devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            widths = (cfg.in_chans, *cfg.stage_widths)
+            self.stages = nn.ModuleList(
+                SeparableStage(widths[i], widths[i + 1], cfg.kernel_size, cfg.strides[i], cfg.stage_norm)
+                for i in range(cfg.num_stages)
+            )
+            self.act = _make_activation(cfg.activation)
+            self.token_norm = nn.LayerNorm(cfg.embed_dim) if cfg.token_norm else nn.Identity()
+        self.register_buffer("pixel_mean", 255.0 * torch.tensor(cfg.mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", 255.0 * torch.tensor(cfg.std).view(1, -1, 1, 1), persistent=False)
+
+    @property
+    def embed_dim(self) -> int:
+        return self.config.embed_dim
+
+    def feature_size(self, height: int, width: int) -> tuple[int, int]:
+        """The token grid (rows, columns) for an input of height x width."""
+        for extent in (height, width):
+            self._check_extent(extent)
+        if self.dynamic_pad:
+            height, width = (self._padded(height), self._padded(width))
+        for stride in self.config.strides:
+            # Padding K // 2 with odd K: each stage maps n to ceil(n / stride).
+            height, width = -(-height // stride), -(-width // stride)
+        return height, width
+
+    def num_tokens(self, height: int, width: int) -> int:
+        rows, cols = self.feature_size(height, width)
+        return rows * cols
+
+    def _padded(self, extent: int) -> int:
+        step = self.config.total_stride
+        return -(-extent // step) * step
+
+    def _check_extent(self, extent: int) -> None:
+        step = self.config.total_stride
+        if extent < step:
+            raise ValueError(f"image side {extent} is smaller than the total stride {step}")
+        if extent % step and not self.dynamic_pad:
+            raise ValueError(
+                f"image side {extent} is not a multiple of the total stride {step}; "
+                "resize the image or pass dynamic_pad=True"
+            )
+
+    def _check_images(self, images: torch.Tensor) -> None:
+        if not isinstance(images, torch.Tensor):
+            raise TypeError(f"images must be a torch.Tensor, got {type(images).__name__}")
+        if images.dtype != torch.uint8 and images.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"images must be uint8 (0..255) or floating point, got {images.dtype}")
+        if images.dim() != 4:
+            raise ValueError(f"images must be 4-D [B, C, H, W], got {images.dim()}-D with shape {tuple(images.shape)}")
+        if images.shape[1] != self.config.in_chans:
+            raise ValueError(f"images have {images.shape[1]} channels but the model expects {self.config.in_chans}")
+        for extent in images.shape[2:]:
+            self._check_extent(extent)
+        if self.check_finite and images.is_floating_point() and not bool(torch.isfinite(images).all()):
+            raise ValueError("images contain NaN or Inf values")
+
+    def _prepare(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalize uint8 input, cast to the parameters' dtype, pad, make dense."""
+        dtype = self.stages[0].dw.weight.dtype
+        if images.dtype == torch.uint8:
+            x = (images.to(dtype) - self.pixel_mean.to(dtype)) / self.pixel_std.to(dtype)
+        else:
+            x = images.to(dtype)
+        if self.dynamic_pad:
+            height, width = x.shape[2:]
+            x = F.pad(x, (0, self._padded(width) - width, 0, self._padded(height) - height))
+        # The kernels read dense NCHW or NHWC; keep channels-last input channels-last.
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The final feature map [B, D, h, w], before the token norm."""
+        self._check_images(images)
+        x = self._prepare(images)
+        last = len(self.stages) - 1
+        for index, stage in enumerate(self.stages):
+            x = stage(x, backend=self.backend)
+            if index != last:
+                x = self.act(x)
+        return x
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.token_norm(self.forward_features(images).permute(0, 2, 3, 1))  # [B, h, w, D]
+        fmt = self.config.output_fmt
+        if fmt == "NHWC":
+            return tokens
+        if fmt == "NCHW":
+            return tokens.permute(0, 3, 1, 2)
+        return tokens.flatten(1, 2)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json and model.safetensors into directory."""
+        checkpoint.save(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs) -> "VisualTokenizer":
+        """Build from config.json and load model.safetensors; kwargs go to __init__."""
+        config = checkpoint.read_config(directory)
+        model = cls(config, **kwargs)
+        checkpoint.load_weights(model, directory)
+        return model

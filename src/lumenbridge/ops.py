@@ -1,0 +1,41 @@
+"""The functional API: every convolution of the model goes through these
+functions, which hand it to the backend dispatch.select_backend chooses.
+
+Tensors passed to the native backend must be dense, contiguous NCHW or
+channels-last NHWC; any other strides are rejected by the gateway with an
+error saying how to fix them (VisualTokenizer makes its input dense itself)."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import select_backend
+
+
+def depthwise_conv2d(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: int = 1, *, backend: str | None = None
+) -> torch.Tensor:
+    """Depthwise K x K conv with zero padding K // 2: input [N, C, H, W], weight [C, 1, K, K]."""
+    return select_backend(input.device, backend).depthwise_conv2d(input, weight, bias, stride)
+
+
+def pointwise_conv2d(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
+) -> torch.Tensor:
+    """1 x 1 conv: input [N, C_in, H, W], weight [C_out, C_in, 1, 1]."""
+    return select_backend(input.device, backend).pointwise_conv2d(input, weight, bias)
+
+
+def separable_conv(
+    input: torch.Tensor,
+    dw_weight: torch.Tensor,
+    dw_bias: torch.Tensor | None,
+    pw_weight: torch.Tensor,
+    pw_bias: torch.Tensor | None,
+    stride: int,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One tokenizer stage's convolutions: depthwise (stride) then pointwise.
+    Backends may fuse the two; the result is the same either way."""
+    return select_backend(input.device, backend).separable_conv(input, dw_weight, dw_bias, pw_weight, pw_bias, stride)

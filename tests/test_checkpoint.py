@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from lumenbridge import TokenizerConfig, VisualTokenizer
+
+SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16, 16, 32), stage_norm="batchnorm")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = VisualTokenizer(SMALL, seed=0)
+    model.train()
+    model(torch.randn(4, 3, 32, 32))  # moves the batch-norm running statistics off their defaults
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+def test_round_trip_gives_identical_tokens(saved):
+    model, directory = saved
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = VisualTokenizer.from_pretrained(directory).eval()
+    assert loaded.config == model.config
+    images = torch.randint(0, 256, (2, 3, 48, 32), dtype=torch.uint8)
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+
+
+def test_checkpoint_holds_no_pickle(saved):
+    _, directory = saved
+    json.loads((directory / "config.json").read_text())
+    raw = (directory / "model.safetensors").read_bytes()
+    assert not raw.startswith(b"\x80")  # pickle protocol marker
+    assert set(safetensors.torch.load_file(directory / "model.safetensors")) == set(VisualTokenizer(SMALL).state_dict())
+
+
+def test_save_replaces_an_older_checkpoint(saved, tmp_path):
+    _, directory = saved
+    other = VisualTokenizer(SMALL, seed=5)
+    other.save_pretrained(directory)
+    loaded = VisualTokenizer.from_pretrained(directory)
+    assert torch.equal(loaded.stages[0].dw.weight, other.stages[0].dw.weight)
+    assert not any(p.name.endswith(".tmp") for p in directory.iterdir())
+
+
+def _rewrite(directory, edit):
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
+    edit(tensors)
+    safetensors.torch.save_file(tensors, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("stages.1.pw.weight"), "missing tensor 'stages.1.pw.weight'"),
+        (lambda t: t.update({"head.weight": torch.zeros(3)}), "unexpected tensor 'head.weight'"),
+        (lambda t: t.update({"stages.0.dw.bias": torch.zeros(5)}), r"'stages.0.dw.bias' has shape \[5\]"),
+    ],
+)
+def test_mismatched_checkpoints_name_the_tensor(saved, edit, message):
+    _, directory = saved
+    _rewrite(directory, edit)
+    with pytest.raises(ValueError, match=message):
+        VisualTokenizer.from_pretrained(directory)
+
+
+def test_missing_files_are_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        VisualTokenizer.from_pretrained(tmp_path)

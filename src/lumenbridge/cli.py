@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import stat
 import sys
 import time
 import uuid
@@ -17,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 import lumenbridge
-from lumenbridge.images import ImageFileDataset, collate_images, default_resize, discover_images, sample_image_paths
+from lumenbridge.dispatch import BACKENDS
+from lumenbridge.images import ImageFileDataset, collate_images, discover_images, resolve_resize, sample_image_paths
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
@@ -25,12 +27,21 @@ EXIT_USAGE = 2
 
 TOKEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+TOKENIZE_HELP = """\
+Tokenize images into one safetensors file holding the tensor 'tokens' [N, T, D]
+and the metadata 'paths' (JSON list: the source of each row, in order),
+'config', 'weights' and 'preprocess'. Unreadable images are named on stderr
+with the reason and skipped. The file is written atomically: a failed run
+never leaves a partial file or replaces an existing one.
+"""
+
 EXIT_CODES_HELP = """\
 exit codes:
   0  every image was tokenized and the output written
   1  the output was written, but some unreadable images were skipped
      (each is named on stderr with the reason)
-  2  usage error, or no image could be read; no output is written
+  2  usage error, no image could be read, or the output could not be
+     written; no output is written and an existing --out file is left as it was
 """
 
 
@@ -105,8 +116,14 @@ def save_tokens_atomically(path: str, tokens: torch.Tensor, metadata: dict[str, 
     """
     directory, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    # safetensors creates its files owner-only; learn the usual mode (0666
+    # less the umask) from a file created the ordinary way, to restore it.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+    os.close(descriptor)
     try:
         safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata)
+        os.chmod(temporary, mode)
         with open(temporary, "r+b") as file:
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -190,10 +207,10 @@ def preprocessing_sizes(args: argparse.Namespace, model: lumenbridge.VisualToken
         model.feature_size(image_size, image_size)
     except ValueError as error:
         raise UsageError(f"--image-size {image_size}: {error}") from error
-    resize = default_resize(image_size) if args.resize is None else args.resize
-    if resize < image_size:
-        raise UsageError(f"--resize ({resize}) must be at least --image-size ({image_size})")
-    return image_size, resize
+    try:
+        return image_size, resolve_resize(image_size, args.resize)
+    except ValueError as error:
+        raise UsageError(f"--resize: {error}") from error
 
 
 def report_skipped(path: str, reason: str) -> None:
@@ -211,7 +228,8 @@ def selected_backend(device: torch.device, requested: str | None) -> str:
 def print_summary(result: TokenizeResult, device: torch.device, backend: str, out: str) -> None:
     count = len(result.paths)
     rate = count / result.seconds if result.seconds > 0 else float("inf")
-    print(f"tokenized {count} images -> tokens {list(result.tokens.shape)} {str(result.tokens.dtype).removeprefix('torch.')}")
+    dtype = str(result.tokens.dtype).removeprefix("torch.")
+    print(f"tokenized {count} images -> tokens {list(result.tokens.shape)} {dtype}")
     print(f"throughput: {rate:.1f} images/s on {device} (backend: {backend})")
     print(f"wrote {out}")
 
@@ -223,7 +241,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         if args.workers < 0:
             raise UsageError(f"--workers must be zero or more, got {args.workers}")
         if args.weights is not None and (args.preset is not None or args.seed is not None):
-            raise UsageError("--preset and --seed choose a randomly initialized model; they cannot be used with --weights")
+            raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
         check_output_path(args.out)
         paths = input_paths(args.paths)
         device = resolve_device(args.device)
@@ -255,7 +273,11 @@ def run_tokenize(args: argparse.Namespace) -> int:
         "weights": weights,
         "preprocess": json.dumps({"image_size": image_size, "resize": resize}),
     }
-    save_tokens_atomically(args.out, result.tokens, metadata)
+    try:
+        save_tokens_atomically(args.out, result.tokens, metadata)
+    except OSError as error:
+        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
+        return EXIT_USAGE
     print_summary(result, device, backend, args.out)
     if result.failures:
         print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
@@ -299,18 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lumenbridge",
         description="LumenBridge visual tokenizer: images to transformer tokens.",
+        epilog="Exit codes of each command are listed in its --help.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tokenize = commands.add_parser(
         "tokenize",
         help="tokenize images into one safetensors file",
-        description=(
-            "Tokenize images into one safetensors file holding the tensor 'tokens' [N, T, D] "
-            "and metadata 'paths' (JSON list, one source path per row), 'config', 'weights' and "
-            "'preprocess'. Unreadable images are named on stderr and skipped. The output is "
-            "written atomically, so a failed run leaves an existing file untouched."
-        ),
+        description=TOKENIZE_HELP,
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -339,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="image decoding processes; 0 decodes in this process (default: min(4, CPU count))",
     )
     tokenize.add_argument("--device", help="torch device (default: cuda, else mps, else cpu)")
-    tokenize.add_argument("--backend", help="kernel backend passed to the model (default: automatic)")
+    tokenize.add_argument(
+        "--backend", choices=sorted(BACKENDS), help="kernel backend for the model (default: chosen per device)"
+    )
     tokenize.add_argument(
         "--dtype", choices=list(TOKEN_DTYPES), default="float32", help="dtype of the stored tokens (default: float32)"
     )

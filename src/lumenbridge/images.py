@@ -111,9 +111,16 @@ def sample_image_paths() -> list[str]:
     return paths
 
 
-def default_resize(image_size: int) -> int:
-    """Shorter-side resize before the center crop, keeping the usual 256/224 ratio."""
-    return round(image_size * 256 / 224)
+def resolve_resize(image_size: int, resize: int | None = None) -> int:
+    """The shorter side to resize to before cropping image_size x image_size.
+
+    By default the usual 256/224 ratio; an explicit resize must leave room for the crop.
+    """
+    if resize is None:
+        return round(image_size * 256 / 224)
+    if resize < image_size:
+        raise ValueError(f"resize ({resize}) must be at least image_size ({image_size})")
+    return resize
 
 
 def decode_image(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
@@ -163,15 +170,13 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 
 def preprocess(image: Image.Image, image_size: int, resize: int | None = None) -> torch.Tensor:
     """Resize shorter side, center-crop to image_size, return uint8 [3, image_size, image_size]."""
-    resize = default_resize(image_size) if resize is None else resize
-    if resize < image_size:
-        raise ValueError(f"resize ({resize}) must be at least image_size ({image_size})")
+    resize = resolve_resize(image_size, resize)
     return to_tensor(center_crop(resize_shorter_side(image, resize), image_size))
 
 
 def load_image(path: str | os.PathLike, image_size: int, resize: int | None = None) -> torch.Tensor:
     """Decodes and preprocesses one file into a uint8 tensor [3, image_size, image_size]."""
-    resize = default_resize(image_size) if resize is None else resize
+    resize = resolve_resize(image_size, resize)
     return preprocess(decode_image(path, min_side=resize), image_size, resize)
 
 
@@ -201,9 +206,8 @@ class ImageFileDataset(torch.utils.data.Dataset):
     def __init__(self, paths: Sequence[str], image_size: int, resize: int | None = None):
         self.paths = list(paths)
         self.image_size = image_size
-        self.resize = default_resize(image_size) if resize is None else resize
-        if self.resize < image_size:
-            raise ValueError(f"resize ({self.resize}) must be at least image_size ({image_size})")
+        # Checked here, not per item, where the error would read as an unreadable image.
+        self.resize = resolve_resize(image_size, resize)
 
     def __len__(self) -> int:
         return len(self.paths)

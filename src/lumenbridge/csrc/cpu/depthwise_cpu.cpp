@@ -51,18 +51,109 @@ void with_stride(int64_t stride, F&& f) {
   }
 }
 
-// acc[o] += w * src[o * S + off]: one tap of the forward along a row.
-template <int64_t S, typename acc_t, typename src_t>
-void row_gather(acc_t* __restrict acc, const src_t* __restrict src, acc_t w, Range r,
-                int64_t off) {
-  for (int64_t o = r.lo; o < r.hi; ++o) acc[o] += w * static_cast<acc_t>(src[o * S + off]);
+constexpr int64_t kMaxTaps = 7 * 7;
+// Accumulators a register block holds: enough independent chains to hide
+// the add latency, few enough to stay in registers.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kNarrowLanes = 4;
+
+// The taps feeding one NCHW row: lane l (an output column) adds
+// w[k] * src[off[k] + l * SS] when its column l * SS + dx[k] is inside the row.
+template <typename acc_t>
+struct RowTaps {
+  int64_t count = 0, dx_min = 0, dx_max = 0;
+  acc_t w[kMaxTaps];
+  int64_t off[kMaxTaps], dx[kMaxTaps];
+  void add(acc_t weight, int64_t offset, int64_t column_offset) {
+    w[count] = weight;
+    off[count] = offset;
+    dx[count++] = column_offset;
+    dx_min = std::min(dx_min, column_offset);
+    dx_max = std::max(dx_max, column_offset);
+  }
+};
+
+// Lanes [lo, hi) (hi - lo >= L), whose taps all read inside the row, in
+// register blocks of L lanes. The last block is shifted back to end at hi;
+// the lanes it recomputes get the same values, cheaper than a scalar tail.
+template <int64_t L, int64_t SS, int64_t DS, typename scalar_t, typename acc_t>
+void conv_row_interior(scalar_t* dst, int64_t lo, int64_t hi, acc_t init, const scalar_t* src,
+                       const RowTaps<acc_t>& t) {
+  for (int64_t l0 = lo; l0 < hi; l0 += L) {
+    const int64_t b = std::min(l0, hi - L);
+    acc_t a[L];
+    std::fill(a, a + L, init);
+    for (int64_t k = 0; k < t.count; ++k) {
+      const acc_t w = t.w[k];
+      const scalar_t* s = src + (t.off[k] + b * SS);
+      for (int64_t v = 0; v < L; ++v) a[v] += w * static_cast<acc_t>(s[v * SS]);
+    }
+    for (int64_t v = 0; v < L; ++v) dst[(b + v) * DS] = static_cast<scalar_t>(a[v]);
+  }
 }
 
-// acc[o * S + off] += w * src[o]: the transpose of row_gather, for grad_input.
-template <int64_t S, typename acc_t, typename src_t>
-void row_scatter(acc_t* __restrict acc, const src_t* __restrict src, acc_t w, Range r,
-                 int64_t off) {
-  for (int64_t o = r.lo; o < r.hi; ++o) acc[o * S + off] += w * static_cast<acc_t>(src[o]);
+// dst[l * DS] = init + the taps of lane l, for l in [0, lanes). Only the few
+// border lanes, whose taps may fall into the padding, test each tap.
+template <int64_t SS, int64_t DS, typename scalar_t, typename acc_t>
+void conv_row(scalar_t* dst, int64_t lanes, acc_t init, const scalar_t* src, int64_t src_w,
+              const RowTaps<acc_t>& t) {
+  int64_t lo = valid_range(t.dx_min, SS, lanes, src_w).lo;
+  int64_t hi = valid_range(t.dx_max, SS, lanes, src_w).hi;
+  if (hi - lo >= kLanes) {
+    conv_row_interior<kLanes, SS, DS>(dst, lo, hi, init, src, t);
+  } else if (hi - lo >= kNarrowLanes) {  // narrow rows (small feature maps)
+    conv_row_interior<kNarrowLanes, SS, DS>(dst, lo, hi, init, src, t);
+  } else {
+    lo = hi = lanes;
+  }
+  const auto checked_lane = [&](int64_t l) {
+    acc_t a = init;
+    for (int64_t k = 0; k < t.count; ++k) {
+      const int64_t x = l * SS + t.dx[k];
+      if (x >= 0 && x < src_w) a += t.w[k] * static_cast<acc_t>(src[t.off[k] + l * SS]);
+    }
+    dst[l * DS] = static_cast<scalar_t>(a);
+  };
+  for (int64_t l = 0; l < lo; ++l) checked_lane(l);
+  for (int64_t l = hi; l < lanes; ++l) checked_lane(l);
+}
+
+// The taps feeding one NHWC pixel: channel c adds w[k][c] * src[k][c].
+template <typename scalar_t, typename acc_t>
+struct PixelTaps {
+  int64_t count = 0;
+  const acc_t* w[kMaxTaps];
+  const scalar_t* src[kMaxTaps];
+  void add(const acc_t* weights, const scalar_t* source) {
+    w[count] = weights;
+    src[count++] = source;
+  }
+};
+
+template <int64_t L, typename scalar_t, typename acc_t>
+void conv_pixel_block(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t,
+                      int64_t c0) {
+  acc_t a[L];
+  for (int64_t v = 0; v < L; ++v) a[v] = init[c0 + v];
+  for (int64_t k = 0; k < t.count; ++k) {
+    const acc_t* w = t.w[k] + c0;
+    const scalar_t* s = t.src[k] + c0;
+    for (int64_t v = 0; v < L; ++v) a[v] += w[v] * static_cast<acc_t>(s[v]);
+  }
+  for (int64_t v = 0; v < L; ++v) dst[c0 + v] = static_cast<scalar_t>(a[v]);
+}
+
+// dst[c] = init[c] + the taps of channel c, kLanes channels at a time.
+template <typename scalar_t, typename acc_t>
+void conv_pixel(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t, int64_t C) {
+  if (C < kLanes) {
+    for (int64_t c = 0; c < C; ++c) conv_pixel_block<1>(dst, init, t, c);
+    return;
+  }
+  // As in conv_row, the last block overlaps the previous one instead of a tail.
+  for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
+    conv_pixel_block<kLanes>(dst, init, t, std::min(c0, C - kLanes));
+  }
 }
 
 // acc[o] += g[o] * src[o * S + off]: per-column partial products of one tap's
@@ -73,13 +164,6 @@ void row_products(acc_t* __restrict acc, const src_t* __restrict g, const src_t*
   for (int64_t o = r.lo; o < r.hi; ++o) {
     acc[o] += static_cast<acc_t>(g[o]) * static_cast<acc_t>(src[o * S + off]);
   }
-}
-
-// acc[c] += w[c] * src[c] over contiguous channels (NHWC).
-template <typename acc_t, typename src_t>
-void channel_axpy(acc_t* __restrict acc, const acc_t* __restrict w, const src_t* __restrict src,
-                  int64_t n) {
-  for (int64_t c = 0; c < n; ++c) acc[c] += w[c] * static_cast<acc_t>(src[c]);
 }
 
 // acc[c] += a[c] * b[c] over contiguous channels (NHWC weight gradient).
@@ -106,21 +190,18 @@ void forward_nchw(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
                   const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
   at::parallel_for(0, p.N * p.C * p.Ho, grain_for(p.Wo * p.K * p.K), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(p.Wo);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t plane = row / p.Ho, y = row % p.Ho, c = plane % p.C;
-      const scalar_t* w_c = w + c * p.K * p.K;
-      std::fill(acc.begin(), acc.end(), bias ? static_cast<acc_t>(bias[c]) : acc_t(0));
+      RowTaps<acc_t> taps;
       const Range taps_i = valid_range(y * S - p.pad, 1, p.K, p.H);
       for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-        const scalar_t* in_row = in + (plane * p.H + y * S + i - p.pad) * p.W;
         for (int64_t j = 0; j < p.K; ++j) {
-          const int64_t off = j - p.pad;
-          row_gather<S>(acc.data(), in_row, static_cast<acc_t>(w_c[i * p.K + j]),
-                        valid_range(off, S, p.Wo, p.W), off);
+          taps.add(static_cast<acc_t>(w[(c * p.K + i) * p.K + j]),
+                   (y * S + i - p.pad) * p.W + j - p.pad, j - p.pad);
         }
       }
-      std::copy(acc.begin(), acc.end(), out + row * p.Wo);
+      conv_row<S, 1>(out + row * p.Wo, p.Wo, bias ? static_cast<acc_t>(bias[c]) : acc_t(0),
+                     in + plane * p.H * p.W, p.W, taps);
     }
   });
 }
@@ -130,54 +211,53 @@ void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
                   const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const std::vector<acc_t> wt = taps_by_channel(w, p);
-  std::vector<acc_t> bias_acc(p.C, acc_t(0));
-  if (bias) std::copy(bias, bias + p.C, bias_acc.begin());
-  const int64_t C = p.C;
+  std::vector<acc_t> init(p.C, acc_t(0));
+  if (bias) std::copy(bias, bias + p.C, init.begin());
+  const int64_t C = p.C, s = p.stride;
   at::parallel_for(0, p.N * p.Ho, grain_for(p.Wo * C * p.K * p.K), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(C);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / p.Ho, y = row % p.Ho;
-      const Range taps_i = valid_range(y * p.stride - p.pad, 1, p.K, p.H);
+      const Range taps_i = valid_range(y * s - p.pad, 1, p.K, p.H);
       for (int64_t x = 0; x < p.Wo; ++x) {
-        const Range taps_j = valid_range(x * p.stride - p.pad, 1, p.K, p.W);
-        std::copy(bias_acc.begin(), bias_acc.end(), acc.begin());
+        const Range taps_j = valid_range(x * s - p.pad, 1, p.K, p.W);
+        PixelTaps<scalar_t, acc_t> taps;
         for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-          const int64_t iy = y * p.stride + i - p.pad;
           for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
-            const int64_t ix = x * p.stride + j - p.pad;
-            channel_axpy(acc.data(), wt.data() + (i * p.K + j) * C,
-                         in + ((n * p.H + iy) * p.W + ix) * C, C);
+            taps.add(wt.data() + (i * p.K + j) * C,
+                     in + ((n * p.H + y * s + i - p.pad) * p.W + x * s + j - p.pad) * C);
           }
         }
-        std::copy(acc.begin(), acc.end(), out + (row * p.Wo + x) * C);
+        conv_pixel(out + (row * p.Wo + x) * C, init.data(), taps, C);
       }
     }
   });
 }
 
-// grad_input gathers, for each input row, the output rows that read it: input
-// row q meets output row y through tap i when y * S + i - pad == q.
+// grad_input gathers: input (q, ix) meets output (y, x) through tap (i, j)
+// when y * S + i - pad == q and x * S + j - pad == ix. For S == 2 the input
+// columns of one parity r share their taps, so each parity is one conv_row
+// whose lanes are written S apart.
 template <typename scalar_t, int64_t S>
 void backward_input_nchw(const scalar_t* go, const scalar_t* w, scalar_t* gi,
                          const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, p.N * p.C * p.H, grain_for(p.W * p.K * p.K / S), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(p.W);
+  at::parallel_for(0, p.N * p.C * p.H, grain_for(p.W * p.K * p.K / (S * S)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t plane = row / p.H, q = row % p.H, c = plane % p.C;
-      const scalar_t* w_c = w + c * p.K * p.K;
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t i = 0; i < p.K; ++i) {
-        const int64_t t = q + p.pad - i;
-        if (t < 0 || t % S != 0 || t / S >= p.Ho) continue;
-        const scalar_t* go_row = go + (plane * p.Ho + t / S) * p.Wo;
-        for (int64_t j = 0; j < p.K; ++j) {
-          const int64_t off = j - p.pad;
-          row_scatter<S>(acc.data(), go_row, static_cast<acc_t>(w_c[i * p.K + j]),
-                         valid_range(off, S, p.Wo, p.W), off);
+      for (int64_t r = 0; r < S; ++r) {
+        RowTaps<acc_t> taps;
+        for (int64_t i = 0; i < p.K; ++i) {
+          const int64_t ty = q + p.pad - i;
+          if (ty < 0 || ty % S != 0 || ty / S >= p.Ho) continue;
+          for (int64_t j = 0; j < p.K; ++j) {
+            const int64_t tx = r + p.pad - j;
+            if (tx % S != 0) continue;
+            taps.add(static_cast<acc_t>(w[(c * p.K + i) * p.K + j]), ty / S * p.Wo + tx / S, tx / S);
+          }
         }
+        conv_row<1, S>(gi + row * p.W + r, (p.W - r + S - 1) / S, acc_t(0),
+                       go + plane * p.Ho * p.Wo, p.Wo, taps);
       }
-      std::copy(acc.begin(), acc.end(), gi + row * p.W);
     }
   });
 }
@@ -187,24 +267,24 @@ void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
                          const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const std::vector<acc_t> wt = taps_by_channel(w, p);
+  const std::vector<acc_t> zeros(p.C, acc_t(0));
   const int64_t C = p.C, s = p.stride;
-  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * p.K * p.K / s), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(C);
+  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * p.K * p.K / (s * s)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / p.H, q = row % p.H;
       for (int64_t ix = 0; ix < p.W; ++ix) {
-        std::fill(acc.begin(), acc.end(), acc_t(0));
+        PixelTaps<scalar_t, acc_t> taps;
         for (int64_t i = 0; i < p.K; ++i) {
           const int64_t ty = q + p.pad - i;
           if (ty < 0 || ty % s != 0 || ty / s >= p.Ho) continue;
           for (int64_t j = 0; j < p.K; ++j) {
             const int64_t tx = ix + p.pad - j;
             if (tx < 0 || tx % s != 0 || tx / s >= p.Wo) continue;
-            channel_axpy(acc.data(), wt.data() + (i * p.K + j) * C,
-                         go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C, C);
+            taps.add(wt.data() + (i * p.K + j) * C,
+                     go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C);
           }
         }
-        std::copy(acc.begin(), acc.end(), gi + (row * p.W + ix) * C);
+        conv_pixel(gi + (row * p.W + ix) * C, zeros.data(), taps, C);
       }
     }
   });

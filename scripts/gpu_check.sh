@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The whole CUDA check in one call, for a machine with an NVIDIA GPU:
+# build the extension, run the test suite (CUDA tests included), run
+# compute-sanitizer's four tools on every kernel variant, run the benchmark,
+# and print a short summary last. Logs go to $OUT (default: gpu_check_out/).
+#   bash scripts/gpu_check.sh [PARTS...]   PARTS: tests sanitize bench (default: all three)
+#   PYTEST_ARGS selects tests (default: the whole suite).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+summary=()
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail
+  local name=$1; shift
+  local started=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-22s %s (%ds)' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc")" $((SECONDS - started)))")
+  tail -n 5 "$OUT/$name.log"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+parts=" ${*:-tests sanitize bench} "
+step build python3 -m lumenbridge build || { printf '%s\n' "${summary[@]}"; exit 1; }
+if [[ $parts == *" tests "* ]]; then
+  # shellcheck disable=SC2086
+  step tests python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider -rs
+fi
+if [[ $parts == *" sanitize "* ]]; then
+  for tool in memcheck racecheck initcheck synccheck; do
+    step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      --kernel-name kns=depthwise python3 scripts/sanitize_kernels.py
+  done
+fi
+if [[ $parts == *" bench "* ]]; then
+  step benchmark python3 benchmarks/bench_depthwise.py --out "$OUT"
+  [ -f "$OUT/depthwise.md" ] && cat "$OUT/depthwise.md"
+fi
+echo "== summary"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -1,0 +1,20 @@
+// Depthwise forward launchers, shared with the stride-1 input gradient
+// (which is the forward convolution with the kernel flipped).
+#pragma once
+
+#include <torch/types.h>
+
+#include "../gateway.h"
+
+namespace lumenbridge {
+namespace cuda {
+
+// output = depthwise(input, weight) + bias for a validated problem; writes
+// into `output`, which has the problem's output extents and layout. `bias`
+// may be undefined.
+void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& bias, at::Tensor& output,
+                              const DepthwiseProblem& p);
+
+}  // namespace cuda
+}  // namespace lumenbridge

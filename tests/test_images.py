@@ -1,0 +1,237 @@
+"""Finding, decoding and preprocessing image files (lumenbridge.images)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from PIL import Image
+
+from lumenbridge import images
+from lumenbridge.images import (
+    ImageFileDataset,
+    collate_images,
+    decode_image,
+    discover_images,
+    load_image,
+    preprocess,
+    resize_shorter_side,
+    sample_image_paths,
+)
+
+
+def save_image(path, size=(20, 16), color=(200, 100, 50), mode="RGB"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, color).save(path)
+    return str(path)
+
+
+def save_truncated_png(path):
+    Image.frombytes("RGB", (64, 64), os.urandom(64 * 64 * 3)).save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
+# --- discovering inputs ---------------------------------------------------------------
+
+
+def test_explicit_files_keep_the_given_order_without_repeats(tmp_path):
+    b = save_image(tmp_path / "b.png")
+    a = save_image(tmp_path / "a.png")
+    assert discover_images([b, a, b]) == [b, a]
+
+
+def test_folder_is_searched_recursively_in_sorted_order_for_image_extensions(tmp_path):
+    expected = [
+        save_image(tmp_path / "A.JPG"),
+        save_image(tmp_path / "b.png"),
+        save_image(tmp_path / "sub" / "c.webp"),
+        save_image(tmp_path / "sub" / "deeper" / "d.jpeg"),
+    ]
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "sub" / "e.gif").write_bytes(b"GIF89a")
+    assert discover_images([str(tmp_path)]) == expected
+
+
+def test_glob_patterns_expand_recursively_and_repeats_are_dropped(tmp_path):
+    top = save_image(tmp_path / "top.png")
+    nested = save_image(tmp_path / "x" / "y" / "nested.png")
+    save_image(tmp_path / "x" / "skip.jpg")
+    pattern = os.path.join(str(tmp_path), "**", "*.png")
+    assert discover_images([nested, pattern]) == [nested, top]
+
+
+def test_a_glob_matching_a_folder_takes_its_images(tmp_path):
+    inside = save_image(tmp_path / "set1" / "one.png")
+    assert discover_images([os.path.join(str(tmp_path), "set*")]) == [inside]
+
+
+def test_a_path_that_matches_nothing_is_an_error_naming_it(tmp_path):
+    good = save_image(tmp_path / "good.png")
+    missing = str(tmp_path / "missing.png")
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        discover_images([good, missing])
+    empty_glob = os.path.join(str(tmp_path), "*.webp")
+    with pytest.raises(FileNotFoundError, match=re.escape(empty_glob)):
+        discover_images([empty_glob])
+
+
+def test_sample_photos_are_found_in_the_installed_scikit_image():
+    paths = sample_image_paths()
+    names = [os.path.basename(path) for path in paths]
+    assert "astronaut.png" in names
+    assert set(names) <= set(images.SAMPLE_IMAGE_NAMES)
+    assert all(os.path.isfile(path) for path in paths)
+
+
+# --- decoding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "color", "expected"),
+    [
+        ("L", 77, (77, 77, 77)),
+        ("RGBA", (10, 20, 30, 128), (10, 20, 30)),
+        ("RGB", (1, 2, 3), (1, 2, 3)),
+    ],
+)
+def test_decoding_gives_rgb(tmp_path, mode, color, expected):
+    path = save_image(tmp_path / "image.png", mode=mode, color=color)
+    image = decode_image(path)
+    assert image.mode == "RGB"
+    assert image.getpixel((3, 3)) == expected
+
+
+def test_palette_images_decode_to_their_rgb_colors(tmp_path):
+    image = Image.new("P", (8, 8), 1)
+    image.putpalette([0, 0, 0, 250, 120, 5] + [0] * 762)
+    image.save(tmp_path / "palette.png")
+    decoded = decode_image(tmp_path / "palette.png")
+    assert decoded.mode == "RGB"
+    assert decoded.getpixel((0, 0)) == (250, 120, 5)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    # Stored 40 wide x 20 high, red left and blue right; orientation 6 means
+    # "rotate 90 degrees clockwise to display", which puts red on top.
+    stored = Image.new("RGB", (40, 20), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 20, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "rotated.jpg", exif=exif, quality=95)
+    upright = decode_image(tmp_path / "rotated.jpg")
+    assert upright.size == (20, 40)
+    top, bottom = upright.getpixel((10, 5)), upright.getpixel((10, 35))
+    assert top[0] > 200 and top[2] < 50
+    assert bottom[2] > 200 and bottom[0] < 50
+
+
+def test_large_jpegs_are_decoded_at_reduced_scale_but_never_below_the_needed_side(tmp_path):
+    Image.new("RGB", (1024, 768), (9, 99, 199)).save(tmp_path / "big.jpg")
+    reduced = decode_image(tmp_path / "big.jpg", min_side=256)
+    assert min(reduced.size) >= 256
+    assert reduced.size[0] < 1024
+    assert tuple(load_image(tmp_path / "big.jpg", 224).shape) == (3, 224, 224)
+
+
+def test_the_decompression_bomb_limit_stays_on():
+    assert Image.MAX_IMAGE_PIXELS is not None
+
+
+# --- preprocessing --------------------------------------------------------------------
+
+
+def test_preprocess_gives_a_uint8_square_of_the_image_size():
+    tensor = preprocess(Image.new("RGB", (300, 200), (1, 2, 3)), image_size=224)
+    assert tensor.dtype == torch.uint8
+    assert tuple(tensor.shape) == (3, 224, 224)
+    assert tensor[:, 100, 100].tolist() == [1, 2, 3]
+
+
+def test_the_shorter_side_is_resized_keeping_the_aspect_ratio():
+    assert resize_shorter_side(Image.new("RGB", (400, 300)), 256).size == (341, 256)
+    assert resize_shorter_side(Image.new("RGB", (100, 200)), 256).size == (256, 512)
+
+
+def test_center_crop_takes_the_middle_of_the_image():
+    # Shorter side already 256, so resizing is the identity and every pixel
+    # encodes its own position: red = column, green = row % 256, blue = row // 256.
+    width, height = 256, 512
+    rows = torch.arange(height).view(height, 1).expand(height, width)
+    columns = torch.arange(width).view(1, width).expand(height, width)
+    pixels = torch.stack([columns, rows % 256, rows // 256], dim=-1).to(torch.uint8)
+    image = Image.frombytes("RGB", (width, height), pixels.numpy().tobytes())
+
+    crop = preprocess(image, image_size=224, resize=256)
+
+    top, left = (512 - 224) // 2, (256 - 224) // 2
+    expected = pixels[top : top + 224, left : left + 224].permute(2, 0, 1)
+    assert torch.equal(crop, expected)
+
+
+def test_resize_smaller_than_the_crop_is_rejected():
+    with pytest.raises(ValueError, match="resize"):
+        preprocess(Image.new("RGB", (300, 300)), image_size=224, resize=200)
+
+
+# --- dataset and batching -------------------------------------------------------------
+
+
+def test_dataset_returns_pixels_or_the_reason_a_file_is_unreadable(tmp_path):
+    good = save_image(tmp_path / "good.png", color=(5, 6, 7))
+    random_bytes = tmp_path / "bad.jpg"
+    random_bytes.write_bytes(os.urandom(2000))
+    truncated = save_truncated_png(tmp_path / "truncated.png")
+    dataset = ImageFileDataset([good, str(random_bytes), truncated], image_size=32)
+
+    assert len(dataset) == 3
+    index, pixels, error = dataset[0]
+    assert index == 0 and error is None
+    assert tuple(pixels.shape) == (3, 32, 32) and pixels[:, 0, 0].tolist() == [5, 6, 7]
+    index, pixels, error = dataset[1]
+    assert index == 1 and pixels is None and "UnidentifiedImageError" in error
+    index, pixels, error = dataset[2]
+    assert index == 2 and pixels is None and "truncated" in error
+
+
+def test_decompression_bombs_are_reported_not_raised(tmp_path, monkeypatch):
+    path = save_image(tmp_path / "huge.png", size=(300, 300))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    _, pixels, error = ImageFileDataset([path], image_size=32)[0]
+    assert pixels is None and "DecompressionBombError" in error
+
+
+def test_a_file_that_vanished_is_reported(tmp_path):
+    _, pixels, error = ImageFileDataset([str(tmp_path / "gone.png")], image_size=32)[0]
+    assert pixels is None and "FileNotFoundError" in error
+
+
+def test_collate_stacks_the_good_images_and_keeps_failures_aside(tmp_path):
+    paths = [save_image(tmp_path / "a.png"), str(tmp_path / "missing.png"), save_image(tmp_path / "c.png")]
+    dataset = ImageFileDataset(paths, image_size=16)
+    batch = collate_images([dataset[i] for i in range(3)])
+    assert batch.indices == [0, 2]
+    assert tuple(batch.pixels.shape) == (2, 3, 16, 16)
+    assert [index for index, _ in batch.failures] == [1]
+
+
+def test_collate_of_only_failures_has_no_pixels(tmp_path):
+    dataset = ImageFileDataset([str(tmp_path / "missing.png")], image_size=16)
+    batch = collate_images([dataset[0]])
+    assert batch.indices == [] and batch.pixels is None and len(batch.failures) == 1
+
+
+def test_dataloader_workers_give_the_same_batches_as_the_main_process(tmp_path):
+    paths = [save_image(tmp_path / f"{i}.png", color=(i * 40, 0, 0)) for i in range(5)]
+    dataset = ImageFileDataset(paths, image_size=16)
+
+    def load_all(workers):
+        loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=workers, collate_fn=collate_images)
+        return [(batch.indices, batch.pixels) for batch in loader]
+
+    serial, parallel = load_all(0), load_all(2)
+    assert [indices for indices, _ in parallel] == [[0, 1], [2, 3], [4]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(serial, parallel))

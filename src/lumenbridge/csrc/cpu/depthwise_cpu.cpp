@@ -1,11 +1,11 @@
 // CPU kernels for the depthwise convolution, reading NCHW and NHWC natively.
 //
-// NCHW: one task per output (or input) row of one (n, c) plane; each tap adds
-// a strided row segment into a row of opmath accumulators, so the innermost
-// loop is a plain axpy along x.
-// NHWC: one task per image row; each pixel accumulates its valid taps with the
-// innermost loop running over contiguous channels.
-// The gateway has validated every argument; nothing is re-checked here.
+// Every kernel accumulates in registers over "lanes": output columns of one
+// row for NCHW, contiguous channels of one pixel for NHWC. A block of lanes
+// walks a short list of taps (weight, source offset) built once per row or
+// pixel, so the inner loops are fixed-width, branch-free and vectorize.
+// Lanes near the image border, where taps fall into the zero padding, take a
+// separate path. The gateway has validated every argument.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -19,6 +19,12 @@
 namespace lumenbridge::cpu {
 namespace {
 
+constexpr int64_t kMaxK = 7;
+constexpr int64_t kMaxTaps = kMaxK * kMaxK;
+// Lanes per register block: 16 gives enough independent add chains to hide
+// latency and still fits the registers; narrow blocks cover what is left.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kNarrowLanes = 4;
 // Multiply-adds a parallel_for chunk should hold at least, so that small
 // problems are not split across threads.
 constexpr int64_t kMinTaskWork = 32768;
@@ -27,9 +33,23 @@ int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_item));
 }
 
+template <int64_t L>
+using Lanes = std::integral_constant<int64_t, L>;
+
+// Calls f with the stride as a compile-time constant, so that strided lane
+// loops vectorize.
+template <typename F>
+void with_stride(int64_t stride, F&& f) {
+  if (stride == 1) {
+    f(Lanes<1>{});
+  } else {
+    f(Lanes<2>{});
+  }
+}
+
 // Half-open range [lo, hi) of positions o in [0, n_out) whose source position
-// o * s + off lies in [0, n_in). Used both for output columns of one tap and,
-// with s = 1, for the taps of one output pixel; hi <= lo means empty.
+// o * s + off lies in [0, n_in); hi <= lo means empty. Serves both for the
+// columns one tap reaches and, with s = 1, for the taps one position has.
 struct Range {
   int64_t lo, hi;
 };
@@ -40,85 +60,103 @@ Range valid_range(int64_t off, int64_t s, int64_t n_out, int64_t n_in) {
   return {lo, last < 0 ? 0 : std::min(n_out, last / s + 1)};
 }
 
-// Calls f with the stride as a compile-time constant, so that the row loops
-// below have a constant step and vectorize.
-template <typename F>
-void with_stride(int64_t stride, F&& f) {
-  if (stride == 1) {
-    f(std::integral_constant<int64_t, 1>{});
-  } else {
-    f(std::integral_constant<int64_t, 2>{});
+// Covers lanes [0, n) with register blocks: blocks of kLanes, then blocks of
+// kNarrowLanes, the last one shifted back to end at n (the lanes it computes
+// twice get identical values, which beats a scalar tail); single lanes when
+// n < kNarrowLanes. The blocks depend on n only, never on the threads.
+struct LaneBlocks {
+  int64_t n, wide, narrow;
+  explicit LaneBlocks(int64_t n_)
+      : n(n_),
+        wide(n_ / kLanes),
+        narrow(n_ < kNarrowLanes ? n_ : (n_ % kLanes + kNarrowLanes - 1) / kNarrowLanes) {}
+  int64_t count() const { return wide + narrow; }
+  // Calls f(Lanes<L>{}, first lane) for block b.
+  template <typename F>
+  void run(int64_t b, F&& f) const {
+    if (b < wide) {
+      f(Lanes<kLanes>{}, b * kLanes);
+    } else if (n < kNarrowLanes) {
+      f(Lanes<1>{}, b);
+    } else {
+      f(Lanes<kNarrowLanes>{}, std::min(wide * kLanes + (b - wide) * kNarrowLanes, n - kNarrowLanes));
+    }
   }
-}
-
-constexpr int64_t kMaxTaps = 7 * 7;
-// Accumulators a register block holds: enough independent chains to hide
-// the add latency, few enough to stay in registers.
-constexpr int64_t kLanes = 16;
-constexpr int64_t kNarrowLanes = 4;
-
-// The taps feeding one NCHW row: lane l (an output column) adds
-// w[k] * src[off[k] + l * SS] when its column l * SS + dx[k] is inside the row.
-template <typename acc_t>
-struct RowTaps {
-  int64_t count = 0, dx_min = 0, dx_max = 0;
-  acc_t w[kMaxTaps];
-  int64_t off[kMaxTaps], dx[kMaxTaps];
-  void add(acc_t weight, int64_t offset, int64_t column_offset) {
-    w[count] = weight;
-    off[count] = offset;
-    dx[count++] = column_offset;
-    dx_min = std::min(dx_min, column_offset);
-    dx_max = std::max(dx_max, column_offset);
+  template <typename F>
+  void run_all(F&& f) const {
+    for (int64_t b = 0; b < count(); ++b) run(b, f);
   }
 };
 
-// Lanes [lo, hi) (hi - lo >= L), whose taps all read inside the row, in
-// register blocks of L lanes. The last block is shifted back to end at hi;
-// the lanes it recomputes get the same values, cheaper than a scalar tail.
-template <int64_t L, int64_t SS, int64_t DS, typename scalar_t, typename acc_t>
-void conv_row_interior(scalar_t* dst, int64_t lo, int64_t hi, acc_t init, const scalar_t* src,
-                       const RowTaps<acc_t>& t) {
-  for (int64_t l0 = lo; l0 < hi; l0 += L) {
-    const int64_t b = std::min(l0, hi - L);
-    acc_t a[L];
-    std::fill(a, a + L, init);
-    for (int64_t k = 0; k < t.count; ++k) {
-      const acc_t w = t.w[k];
-      const scalar_t* s = src + (t.off[k] + b * SS);
-      for (int64_t v = 0; v < L; ++v) a[v] += w * static_cast<acc_t>(s[v * SS]);
+// NCHW kernels first copy the source rows a task reads into a padded buffer:
+// opmath values, `pad` zero columns on both sides, zero rows outside the
+// plane, zero slack at the end. Register blocks then read it without border
+// tests, and lanes past the row end just compute values nobody stores. For
+// stride 2 a padded row holds its even columns, then its odd ones, so the
+// lanes of a block (outputs x, x + 1, ... reading columns 2x + j) read
+// consecutive values.
+constexpr int64_t kRowsPerTask = 16;
+constexpr int64_t kSlack = kLanes + kMaxK;
+
+// Padded row length: room for the padded columns, divisible by the stride.
+int64_t padded_pitch(int64_t width, int64_t pad, int64_t stride) {
+  return (width + 2 * pad + stride - 1) / stride * stride;
+}
+
+// Source rows [first_row, first_row + rows) of a plane [height, width].
+template <int64_t S, typename scalar_t, typename acc_t>
+void copy_padded_rows(std::vector<acc_t>& buf, const scalar_t* plane, int64_t height,
+                      int64_t width, int64_t first_row, int64_t rows, int64_t pad, int64_t pitch) {
+  const int64_t phase_len = pitch / S;
+  buf.assign(rows * pitch + kSlack, acc_t(0));
+  for (int64_t i = std::max<int64_t>(0, -first_row); i < std::min(rows, height - first_row); ++i) {
+    const scalar_t* src = plane + (first_row + i) * width;
+    for (int64_t phase = 0; phase < S; ++phase) {
+      // Padded column m * S + phase is source column m * S + phase - pad.
+      acc_t* dst = buf.data() + i * pitch + phase * phase_len;
+      const Range m = valid_range(phase - pad, S, phase_len, width);
+      for (int64_t k = m.lo; k < m.hi; ++k) dst[k] = static_cast<acc_t>(src[k * S + phase - pad]);
     }
-    for (int64_t v = 0; v < L; ++v) dst[(b + v) * DS] = static_cast<scalar_t>(a[v]);
   }
 }
 
-// dst[l * DS] = init + the taps of lane l, for l in [0, lanes). Only the few
-// border lanes, whose taps may fall into the padding, test each tap.
-template <int64_t SS, int64_t DS, typename scalar_t, typename acc_t>
-void conv_row(scalar_t* dst, int64_t lanes, acc_t init, const scalar_t* src, int64_t src_w,
-              const RowTaps<acc_t>& t) {
-  int64_t lo = valid_range(t.dx_min, SS, lanes, src_w).lo;
-  int64_t hi = valid_range(t.dx_max, SS, lanes, src_w).hi;
-  if (hi - lo >= kLanes) {
-    conv_row_interior<kLanes, SS, DS>(dst, lo, hi, init, src, t);
-  } else if (hi - lo >= kNarrowLanes) {  // narrow rows (small feature maps)
-    conv_row_interior<kNarrowLanes, SS, DS>(dst, lo, hi, init, src, t);
-  } else {
-    lo = hi = lanes;
+// The taps of one NCHW output: weight w[k] reads the padded buffer at
+// off[k] from the output's own position.
+template <typename acc_t>
+struct PlaneTaps {
+  int64_t count = 0;
+  acc_t w[kMaxTaps];
+  int64_t off[kMaxTaps];
+  void add(acc_t weight, int64_t offset) {
+    w[count] = weight;
+    off[count++] = offset;
   }
-  const auto checked_lane = [&](int64_t l) {
-    acc_t a = init;
-    for (int64_t k = 0; k < t.count; ++k) {
-      const int64_t x = l * SS + t.dx[k];
-      if (x >= 0 && x < src_w) a += t.w[k] * static_cast<acc_t>(src[t.off[k] + l * SS]);
+};
+
+// dst[r * dst_row + x * dst_col] = init + sum_k w[k] * src[r * src_row + x + off[k]]
+// for r < rows, x < cols, in register blocks of kLanes consecutive x.
+template <typename scalar_t, typename acc_t>
+void conv_rows(scalar_t* dst, int64_t dst_row, int64_t dst_col, int64_t rows, int64_t cols,
+               acc_t init, const acc_t* src, int64_t src_row, const PlaneTaps<acc_t>& t) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t x0 = 0; x0 < cols; x0 += kLanes) {
+      acc_t a[kLanes];
+      std::fill(a, a + kLanes, init);
+      const acc_t* s0 = src + r * src_row + x0;
+      for (int64_t k = 0; k < t.count; ++k) {
+        const acc_t w = t.w[k];
+        const acc_t* s = s0 + t.off[k];
+        for (int64_t v = 0; v < kLanes; ++v) a[v] += w * s[v];
+      }
+      scalar_t* d = dst + r * dst_row + x0 * dst_col;
+      for (int64_t v = 0; v < std::min(kLanes, cols - x0); ++v) {
+        d[v * dst_col] = static_cast<scalar_t>(a[v]);
+      }
     }
-    dst[l * DS] = static_cast<scalar_t>(a);
-  };
-  for (int64_t l = 0; l < lo; ++l) checked_lane(l);
-  for (int64_t l = hi; l < lanes; ++l) checked_lane(l);
+  }
 }
 
-// The taps feeding one NHWC pixel: channel c adds w[k][c] * src[k][c].
+// The taps of one NHWC pixel: channel c adds w[k][c] * src[k][c].
 template <typename scalar_t, typename acc_t>
 struct PixelTaps {
   int64_t count = 0;
@@ -130,51 +168,23 @@ struct PixelTaps {
   }
 };
 
-template <int64_t L, typename scalar_t, typename acc_t>
-void conv_pixel_block(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t,
-                      int64_t c0) {
-  acc_t a[L];
-  for (int64_t v = 0; v < L; ++v) a[v] = init[c0 + v];
-  for (int64_t k = 0; k < t.count; ++k) {
-    const acc_t* w = t.w[k] + c0;
-    const scalar_t* s = t.src[k] + c0;
-    for (int64_t v = 0; v < L; ++v) a[v] += w[v] * static_cast<acc_t>(s[v]);
-  }
-  for (int64_t v = 0; v < L; ++v) dst[c0 + v] = static_cast<scalar_t>(a[v]);
-}
-
-// dst[c] = init[c] + the taps of channel c, kLanes channels at a time.
+// dst[c] = init[c] + the taps of channel c, for c in [0, C).
 template <typename scalar_t, typename acc_t>
 void conv_pixel(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t, int64_t C) {
-  if (C < kLanes) {
-    for (int64_t c = 0; c < C; ++c) conv_pixel_block<1>(dst, init, t, c);
-    return;
-  }
-  // As in conv_row, the last block overlaps the previous one instead of a tail.
-  for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
-    conv_pixel_block<kLanes>(dst, init, t, std::min(c0, C - kLanes));
-  }
+  LaneBlocks(C).run_all([&](auto L, int64_t c0) {
+    acc_t a[L];
+    for (int64_t v = 0; v < L; ++v) a[v] = init[c0 + v];
+    for (int64_t k = 0; k < t.count; ++k) {
+      const acc_t* w = t.w[k] + c0;
+      const scalar_t* s = t.src[k] + c0;
+      for (int64_t v = 0; v < L; ++v) a[v] += w[v] * static_cast<acc_t>(s[v]);
+    }
+    for (int64_t v = 0; v < L; ++v) dst[c0 + v] = static_cast<scalar_t>(a[v]);
+  });
 }
 
-// acc[o] += g[o] * src[o * S + off]: per-column partial products of one tap's
-// weight gradient, summed over x only at the end (keeps the loop vectorizable).
-template <int64_t S, typename acc_t, typename src_t>
-void row_products(acc_t* __restrict acc, const src_t* __restrict g, const src_t* __restrict src,
-                  Range r, int64_t off) {
-  for (int64_t o = r.lo; o < r.hi; ++o) {
-    acc[o] += static_cast<acc_t>(g[o]) * static_cast<acc_t>(src[o * S + off]);
-  }
-}
-
-// acc[c] += a[c] * b[c] over contiguous channels (NHWC weight gradient).
-template <typename acc_t, typename src_t>
-void channel_products(acc_t* __restrict acc, const src_t* __restrict a,
-                      const src_t* __restrict b, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
-}
-
-// Weight [C, 1, K, K] as opmath [K*K][C], so NHWC loops read one tap's
-// weights for all channels contiguously.
+// Weight [C, 1, K, K] as opmath [K*K][C], so NHWC blocks read one tap's
+// weights for consecutive channels.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 std::vector<acc_t> taps_by_channel(const scalar_t* w, const DepthwiseProblem& p) {
   const int64_t KK = p.K * p.K;
@@ -185,23 +195,30 @@ std::vector<acc_t> taps_by_channel(const scalar_t* w, const DepthwiseProblem& p)
   return wt;
 }
 
+// One task per block of kRowsPerTask output rows of one plane. Output row r
+// of the block reads padded rows r * S + i; column x + j of tap (i, j) sits
+// in phase j % S at x + j / S.
 template <typename scalar_t, int64_t S>
 void forward_nchw(const scalar_t* in, const scalar_t* w, const scalar_t* bias, scalar_t* out,
                   const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, p.N * p.C * p.Ho, grain_for(p.Wo * p.K * p.K), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t plane = row / p.Ho, y = row % p.Ho, c = plane % p.C;
-      RowTaps<acc_t> taps;
-      const Range taps_i = valid_range(y * S - p.pad, 1, p.K, p.H);
-      for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-        for (int64_t j = 0; j < p.K; ++j) {
-          taps.add(static_cast<acc_t>(w[(c * p.K + i) * p.K + j]),
-                   (y * S + i - p.pad) * p.W + j - p.pad, j - p.pad);
+  const int64_t K = p.K, pitch = padded_pitch(p.W, p.pad, S);
+  const int64_t blocks = (p.Ho + kRowsPerTask - 1) / kRowsPerTask;
+  at::parallel_for(0, p.N * p.C * blocks, grain_for(kRowsPerTask * p.Wo * K * K), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> rows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t plane = task / blocks, c = plane % p.C;
+      const int64_t y0 = task % blocks * kRowsPerTask, ny = std::min(kRowsPerTask, p.Ho - y0);
+      copy_padded_rows<S>(rows, in + plane * p.H * p.W, p.H, p.W, y0 * S - p.pad,
+                          (ny - 1) * S + K, p.pad, pitch);
+      PlaneTaps<acc_t> taps;
+      for (int64_t i = 0; i < K; ++i) {
+        for (int64_t j = 0; j < K; ++j) {
+          taps.add(static_cast<acc_t>(w[(c * K + i) * K + j]), i * pitch + j % S * (pitch / S) + j / S);
         }
       }
-      conv_row<S, 1>(out + row * p.Wo, p.Wo, bias ? static_cast<acc_t>(bias[c]) : acc_t(0),
-                     in + plane * p.H * p.W, p.W, taps);
+      conv_rows(out + (plane * p.Ho + y0) * p.Wo, p.Wo, 1, ny, p.Wo,
+                bias ? static_cast<acc_t>(bias[c]) : acc_t(0), rows.data(), S * pitch, taps);
     }
   });
 }
@@ -213,17 +230,17 @@ void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
   const std::vector<acc_t> wt = taps_by_channel(w, p);
   std::vector<acc_t> init(p.C, acc_t(0));
   if (bias) std::copy(bias, bias + p.C, init.begin());
-  const int64_t C = p.C, s = p.stride;
-  at::parallel_for(0, p.N * p.Ho, grain_for(p.Wo * C * p.K * p.K), [&](int64_t begin, int64_t end) {
+  const int64_t C = p.C, K = p.K, s = p.stride;
+  at::parallel_for(0, p.N * p.Ho, grain_for(p.Wo * C * K * K), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / p.Ho, y = row % p.Ho;
-      const Range taps_i = valid_range(y * s - p.pad, 1, p.K, p.H);
+      const Range taps_i = valid_range(y * s - p.pad, 1, K, p.H);
       for (int64_t x = 0; x < p.Wo; ++x) {
-        const Range taps_j = valid_range(x * s - p.pad, 1, p.K, p.W);
+        const Range taps_j = valid_range(x * s - p.pad, 1, K, p.W);
         PixelTaps<scalar_t, acc_t> taps;
         for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
           for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
-            taps.add(wt.data() + (i * p.K + j) * C,
+            taps.add(wt.data() + (i * K + j) * C,
                      in + ((n * p.H + y * s + i - p.pad) * p.W + x * s + j - p.pad) * C);
           }
         }
@@ -233,30 +250,40 @@ void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
   });
 }
 
-// grad_input gathers: input (q, ix) meets output (y, x) through tap (i, j)
-// when y * S + i - pad == q and x * S + j - pad == ix. For S == 2 the input
-// columns of one parity r share their taps, so each parity is one conv_row
-// whose lanes are written S apart.
+// grad_input is gathered: input (q, ix) meets output (y, x) through tap
+// (i, j) when y * S + i - pad == q and x * S + j - pad == ix. Split by the
+// parities (rq, rx) of (q, ix), each part is a stride-1 correlation of
+// grad_output, q = S * m + rq, with the taps of matching parity. One task per
+// block of kRowsPerTask values of m of one plane.
 template <typename scalar_t, int64_t S>
 void backward_input_nchw(const scalar_t* go, const scalar_t* w, scalar_t* gi,
                          const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, p.N * p.C * p.H, grain_for(p.W * p.K * p.K / (S * S)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t plane = row / p.H, q = row % p.H, c = plane % p.C;
-      for (int64_t r = 0; r < S; ++r) {
-        RowTaps<acc_t> taps;
-        for (int64_t i = 0; i < p.K; ++i) {
-          const int64_t ty = q + p.pad - i;
-          if (ty < 0 || ty % S != 0 || ty / S >= p.Ho) continue;
-          for (int64_t j = 0; j < p.K; ++j) {
-            const int64_t tx = r + p.pad - j;
-            if (tx % S != 0) continue;
-            taps.add(static_cast<acc_t>(w[(c * p.K + i) * p.K + j]), ty / S * p.Wo + tx / S, tx / S);
+  const int64_t K = p.K, pad = p.pad, pitch = padded_pitch(p.Wo, pad, 1);
+  const int64_t sub_rows = (p.H + S - 1) / S;
+  const int64_t blocks = (sub_rows + kRowsPerTask - 1) / kRowsPerTask;
+  at::parallel_for(0, p.N * p.C * blocks, grain_for(kRowsPerTask * p.W * K * K / S), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> rows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t plane = task / blocks, c = plane % p.C;
+      const int64_t m0 = task % blocks * kRowsPerTask, nm = std::min(kRowsPerTask, sub_rows - m0);
+      // grad_output rows [m0 - pad, m0 + nm + pad): padded row r + dy + pad is row m0 + r + dy.
+      copy_padded_rows<1>(rows, go + plane * p.Ho * p.Wo, p.Ho, p.Wo, m0 - pad, nm + 2 * pad, pad, pitch);
+      for (int64_t rq = 0; rq < S; ++rq) {
+        for (int64_t rx = 0; rx < S; ++rx) {
+          PlaneTaps<acc_t> taps;
+          for (int64_t i = 0; i < K; ++i) {
+            for (int64_t j = 0; j < K; ++j) {
+              const int64_t ty = rq + pad - i, tx = rx + pad - j;  // % and / truncate toward 0
+              if (ty % S != 0 || tx % S != 0) continue;
+              taps.add(static_cast<acc_t>(w[(c * K + i) * K + j]),
+                       (ty / S + pad) * pitch + tx / S + pad);
+            }
           }
+          const int64_t nr = std::min(nm, (p.H - rq + S - 1) / S - m0);
+          conv_rows(gi + (plane * p.H + S * m0 + rq) * p.W + rx, S * p.W, S, nr,
+                    (p.W - rx + S - 1) / S, acc_t(0), rows.data(), pitch, taps);
         }
-        conv_row<1, S>(gi + row * p.W + r, (p.W - r + S - 1) / S, acc_t(0),
-                       go + plane * p.Ho * p.Wo, p.Wo, taps);
       }
     }
   });
@@ -268,20 +295,19 @@ void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
   using acc_t = at::opmath_type<scalar_t>;
   const std::vector<acc_t> wt = taps_by_channel(w, p);
   const std::vector<acc_t> zeros(p.C, acc_t(0));
-  const int64_t C = p.C, s = p.stride;
-  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * p.K * p.K / (s * s)), [&](int64_t begin, int64_t end) {
+  const int64_t C = p.C, K = p.K, s = p.stride;
+  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * K * K / (s * s)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / p.H, q = row % p.H;
       for (int64_t ix = 0; ix < p.W; ++ix) {
         PixelTaps<scalar_t, acc_t> taps;
-        for (int64_t i = 0; i < p.K; ++i) {
+        for (int64_t i = 0; i < K; ++i) {
           const int64_t ty = q + p.pad - i;
           if (ty < 0 || ty % s != 0 || ty / s >= p.Ho) continue;
-          for (int64_t j = 0; j < p.K; ++j) {
+          for (int64_t j = 0; j < K; ++j) {
             const int64_t tx = ix + p.pad - j;
             if (tx < 0 || tx % s != 0 || tx / s >= p.Wo) continue;
-            taps.add(wt.data() + (i * p.K + j) * C,
-                     go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C);
+            taps.add(wt.data() + (i * K + j) * C, go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C);
           }
         }
         conv_pixel(gi + (row * p.W + ix) * C, zeros.data(), taps, C);
@@ -290,89 +316,94 @@ void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
   });
 }
 
-// One task per channel, reducing over (n, y) into per-column partials and
-// then over x, always in the same order: bitwise deterministic whatever the
-// thread count.
+// One task per channel. Products are summed per output column over all
+// (n, y) rows, then over the columns, in a fixed order: bitwise
+// deterministic whatever the thread count.
 template <typename scalar_t, int64_t S>
 void backward_weight_nchw(const scalar_t* go, const scalar_t* in, scalar_t* gw, scalar_t* gb,
                           const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t KK = p.K * p.K, Wo = p.Wo;
+  const int64_t K = p.K, KK = K * K, Wo = p.Wo;
   at::parallel_for(0, p.C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> part((KK + 1) * Wo);  // KK tap rows, then the bias row
-    acc_t* part_bias = part.data() + KK * Wo;
+    std::vector<acc_t> columns((KK + 1) * Wo);  // one row per tap, then one for the bias
     for (int64_t c = begin; c < end; ++c) {
-      std::fill(part.begin(), part.end(), acc_t(0));
+      std::fill(columns.begin(), columns.end(), acc_t(0));
       for (int64_t n = 0; n < p.N; ++n) {
         const int64_t plane = n * p.C + c;
         for (int64_t y = 0; y < p.Ho; ++y) {
           const scalar_t* go_row = go + (plane * p.Ho + y) * Wo;
-          for (int64_t x = 0; x < Wo; ++x) part_bias[x] += static_cast<acc_t>(go_row[x]);
-          const Range taps_i = valid_range(y * S - p.pad, 1, p.K, p.H);
+          acc_t* bias_columns = columns.data() + KK * Wo;
+          for (int64_t x = 0; x < Wo; ++x) bias_columns[x] += static_cast<acc_t>(go_row[x]);
+          const Range taps_i = valid_range(y * S - p.pad, 1, K, p.H);
           for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
             const scalar_t* in_row = in + (plane * p.H + y * S + i - p.pad) * p.W;
-            for (int64_t j = 0; j < p.K; ++j) {
-              const int64_t off = j - p.pad;
-              row_products<S>(part.data() + (i * p.K + j) * Wo, go_row, in_row,
-                              valid_range(off, S, Wo, p.W), off);
+            for (int64_t j = 0; j < K; ++j) {
+              const Range xs = valid_range(j - p.pad, S, Wo, p.W);
+              acc_t* col = columns.data() + (i * K + j) * Wo;
+              const scalar_t* src = in_row + (j - p.pad);
+              for (int64_t x = xs.lo; x < xs.hi; ++x) {
+                col[x] += static_cast<acc_t>(go_row[x]) * static_cast<acc_t>(src[x * S]);
+              }
             }
           }
         }
       }
-      for (int64_t t = 0; t <= KK; ++t) {
+      const auto column_sum = [&](int64_t t) {
         acc_t sum = 0;
-        for (int64_t x = 0; x < Wo; ++x) sum += part[t * Wo + x];
-        if (t < KK) {
-          gw[c * KK + t] = static_cast<scalar_t>(sum);
-        } else {
-          gb[c] = static_cast<scalar_t>(sum);
-        }
-      }
+        for (int64_t x = 0; x < Wo; ++x) sum += columns[t * Wo + x];
+        return static_cast<scalar_t>(sum);
+      };
+      for (int64_t t = 0; t < KK; ++t) gw[c * KK + t] = column_sum(t);
+      gb[c] = column_sum(KK);
     }
   });
 }
 
-// One task per block of channels; each channel is reduced per image row, then
-// over rows, in an order that depends on neither the block size nor the
-// threads: bitwise deterministic.
+// One task per block of channels (LaneBlocks of C). Per image row and tap,
+// the block's register accumulators sum over x; the row sums then join the
+// totals in a fixed order, so the result is bitwise deterministic.
 template <typename scalar_t>
 void backward_weight_nhwc(const scalar_t* go, const scalar_t* in, scalar_t* gw, scalar_t* gb,
                           const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t KK = p.K * p.K, C = p.C, s = p.stride;
-  // Blocks of at most 64 channels, balanced (e.g. 96 -> 2 x 48).
-  const int64_t num_blocks = (C + 63) / 64;
-  const int64_t block = (C + num_blocks - 1) / num_blocks;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> total((KK + 1) * block), row_acc((KK + 1) * block);
+  const int64_t C = p.C, K = p.K, KK = K * K, s = p.stride;
+  const LaneBlocks blocks(C);
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> total((KK + 1) * kLanes);  // [tap or bias][lane]
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t c0 = b * block, nc = std::min(block, C - c0);
-      std::fill(total.begin(), total.end(), acc_t(0));
-      for (int64_t n = 0; n < p.N; ++n) {
-        for (int64_t y = 0; y < p.Ho; ++y) {
-          std::fill(row_acc.begin(), row_acc.end(), acc_t(0));
-          const Range taps_i = valid_range(y * s - p.pad, 1, p.K, p.H);
-          for (int64_t x = 0; x < p.Wo; ++x) {
-            const Range taps_j = valid_range(x * s - p.pad, 1, p.K, p.W);
-            const scalar_t* go_px = go + ((n * p.Ho + y) * p.Wo + x) * C + c0;
-            acc_t* row_bias = row_acc.data() + KK * nc;
-            for (int64_t c = 0; c < nc; ++c) row_bias[c] += static_cast<acc_t>(go_px[c]);
+      blocks.run(b, [&](auto L, int64_t c0) {
+        std::fill(total.begin(), total.end(), acc_t(0));
+        for (int64_t n = 0; n < p.N; ++n) {
+          for (int64_t y = 0; y < p.Ho; ++y) {
+            const scalar_t* go_row = go + (n * p.Ho + y) * p.Wo * C + c0;
+            acc_t a[L] = {};
+            for (int64_t x = 0; x < p.Wo; ++x) {
+              for (int64_t v = 0; v < L; ++v) a[v] += static_cast<acc_t>(go_row[x * C + v]);
+            }
+            for (int64_t v = 0; v < L; ++v) total[KK * L + v] += a[v];
+            const Range taps_i = valid_range(y * s - p.pad, 1, K, p.H);
             for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-              const int64_t iy = y * s + i - p.pad;
-              for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
-                const int64_t ix = x * s + j - p.pad;
-                channel_products(row_acc.data() + (i * p.K + j) * nc, go_px,
-                                 in + ((n * p.H + iy) * p.W + ix) * C + c0, nc);
+              const int64_t in_row = (n * p.H + y * s + i - p.pad) * p.W;
+              for (int64_t j = 0; j < K; ++j) {
+                const Range xs = valid_range(j - p.pad, s, p.Wo, p.W);
+                std::fill(a, a + L, acc_t(0));
+                for (int64_t x = xs.lo; x < xs.hi; ++x) {
+                  const scalar_t* g = go_row + x * C;
+                  const scalar_t* src = in + (in_row + x * s + j - p.pad) * C + c0;
+                  for (int64_t v = 0; v < L; ++v) {
+                    a[v] += static_cast<acc_t>(g[v]) * static_cast<acc_t>(src[v]);
+                  }
+                }
+                for (int64_t v = 0; v < L; ++v) total[(i * K + j) * L + v] += a[v];
               }
             }
           }
-          for (int64_t k = 0; k < (KK + 1) * nc; ++k) total[k] += row_acc[k];
         }
-      }
-      for (int64_t c = 0; c < nc; ++c) {
-        for (int64_t t = 0; t < KK; ++t) gw[(c0 + c) * KK + t] = static_cast<scalar_t>(total[t * nc + c]);
-        gb[c0 + c] = static_cast<scalar_t>(total[KK * nc + c]);
-      }
+        for (int64_t v = 0; v < L; ++v) {
+          for (int64_t t = 0; t < KK; ++t) gw[(c0 + v) * KK + t] = static_cast<scalar_t>(total[t * L + v]);
+          gb[c0 + v] = static_cast<scalar_t>(total[KK * L + v]);
+        }
+      });
     }
   });
 }

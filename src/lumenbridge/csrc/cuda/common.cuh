@@ -13,7 +13,6 @@ namespace lumenbridge {
 namespace cuda {
 
 constexpr int kThreads = 256;
-constexpr int kVectorBytes = 16;
 
 // VEC elements moved as one 16-, 8-, 4- or 2-byte access.
 template <typename T, int VEC>
@@ -94,21 +93,38 @@ void dispatch_vector_width(int vec, Body&& body) {
                                      AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
-// Dynamic shared memory past 48 KB must be opted into per kernel.
+// Static plus dynamic shared memory past 48 KB must be opted into per
+// kernel; setting the dynamic limit to exactly what the launch uses is always valid.
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
 }
 
-// Grids are one-dimensional over blocks; refuse sizes past the hardware limit
-// with a message rather than a launch failure.
-inline unsigned grid_size(int64_t blocks) {
+// Launch geometry: grid x covers tiles (and NHWC channel slabs), y covers
+// channels or tile rows, z the batch, so kernels find their block with at most
+// one 32-bit division. The hardware caps y and z at 65535: larger batches run
+// as several launches, larger y extents are refused with a message.
+constexpr int64_t kMaxGridYZ = 65535;
+
+inline unsigned grid_x(int64_t blocks) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
-              "LumenBridge: problem too large for one launch (", blocks, " blocks)");
+              "LumenBridge: problem too large for one CUDA launch (", blocks, " blocks)");
   return static_cast<unsigned>(blocks);
+}
+
+inline unsigned grid_y(int64_t extent, const char* what) {
+  TORCH_CHECK(extent <= kMaxGridYZ, "LumenBridge: the CUDA kernels cover at most ", kMaxGridYZ,
+              " ", what, ", got ", extent);
+  return static_cast<unsigned>(extent);
+}
+
+// Calls launch(first_image, image_count) for slices of the batch that fit grid z.
+template <typename Launch>
+void for_each_batch_slice(int64_t batch, Launch&& launch) {
+  for (int64_t n0 = 0; n0 < batch; n0 += kMaxGridYZ) {
+    launch(n0, static_cast<unsigned>(std::min(kMaxGridYZ, batch - n0)));
+  }
 }
 
 }  // namespace cuda

@@ -41,12 +41,12 @@ struct QuadReach {
   static constexpr int kMin = extreme(false), kMax = extreme(true), kSpan = kMax - kMin;
 };
 
-template <int K, int QX, int QROWS, int QY>
+template <int K, int QX, int QROWS, int QY, int VEC>
 struct NchwQuadTile {
   static constexpr int kQuadW = QX, kQuadH = QY * QROWS;
   static constexpr int kInW = kQuadW + QuadReach<K>::kSpan;
   static constexpr int kInH = kQuadH + QuadReach<K>::kSpan;
-  static constexpr int kPitch = kInW;
+  using Plane = PlaneTile<kInH, kInW, VEC, false>;
 };
 
 template <typename T, int K, int VEC, int OUT_VEC>
@@ -54,25 +54,24 @@ __global__ void __launch_bounds__(kThreads)
     depthwise_backward_input_s2_nchw_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
                                             T* __restrict__ grad_input, int C, int H, int W,
-                                            int Ho, int Wo, int tiles_x, int tiles_y) {
+                                            int Ho, int Wo, int tiles_x) {
   constexpr int QX = 32, QY = kThreads / QX, QROWS = 2;
-  using Tile = NchwQuadTile<K, QX, QROWS, QY>;
+  using Tile = NchwQuadTile<K, QX, QROWS, QY, VEC>;
+  using Plane = typename Tile::Plane;
   using Reach = QuadReach<K>;
-  __shared__ float tile[Tile::kInH * Tile::kPitch];
+  __shared__ __align__(16) float tile[Plane::kFloats];
 
-  int64_t block = blockIdx.x;
-  const int bx = static_cast<int>(block % tiles_x);
-  block /= tiles_x;
-  const int by = static_cast<int>(block % tiles_y);
-  const int64_t plane = block / tiles_y;
-  const int c = static_cast<int>(plane % C);
+  const int by = blockIdx.x / tiles_x;
+  const int bx = blockIdx.x - by * tiles_x;
+  const int c = blockIdx.y;
+  const int64_t plane = static_cast<int64_t>(blockIdx.z) * C + c;
   const int qy0 = by * Tile::kQuadH, qx0 = bx * Tile::kQuadW;
 
   float w[K * K];
 #pragma unroll
   for (int i = 0; i < K * K; ++i) w[i] = static_cast<float>(weight[c * K * K + i]);
 
-  load_plane_tile<T, Tile::kInH, Tile::kInW, Tile::kPitch, VEC, false, kThreads>(
+  const int lead = Plane::template load<T, kThreads>(
       tile, grad_output + plane * Ho * Wo, Ho, Wo, qy0 + Reach::kMin, qx0 + Reach::kMin,
       threadIdx.y * QX + threadIdx.x);
   __syncthreads();
@@ -91,7 +90,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < K; ++i) {
           if (!Reach::contributes(py, i)) continue;
-          const float* row = tile + (la + Reach::offset(py, i) - Reach::kMin) * Tile::kPitch + lb - Reach::kMin;
+          const float* row =
+              tile + (la + Reach::offset(py, i) - Reach::kMin) * Plane::kPitch + lead + lb - Reach::kMin;
 #pragma unroll
           for (int j = 0; j < K; ++j) {
             if (Reach::contributes(px, j)) sum = fmaf(w[i * K + j], row[Reach::offset(px, j)], sum);
@@ -135,37 +135,38 @@ __global__ void __launch_bounds__(kThreads)
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
                                             T* __restrict__ grad_input, int C, int H, int W,
-                                            int Ho, int Wo, int tiles_x, int tiles_y, int slabs) {
+                                            int Ho, int Wo, int slabs) {
   using Tile = NhwcQuadTile<T, K, VEC>;
   using Reach = QuadReach<K>;
+  constexpr int kSlab = Tile::kSlab;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* tile = reinterpret_cast<T*>(shared_bytes);
+  __shared__ __align__(16) float taps[K * K][kSlab];  // the slab's taps, [tap][channel]
 
-  int64_t block = blockIdx.x;
-  const int slab = static_cast<int>(block % slabs);
-  block /= slabs;
-  const int bx = static_cast<int>(block % tiles_x);
-  block /= tiles_x;
-  const int by = static_cast<int>(block % tiles_y);
-  const int64_t n = block / tiles_y;
+  const int slab = blockIdx.x % slabs;
+  const int bx = blockIdx.x / slabs;
+  const int by = blockIdx.y;
+  const int64_t n = blockIdx.z;
   const int qy0 = by * Tile::kQuadH, qx0 = bx * Tile::kQuadW;
   const int cv = threadIdx.x, qx = threadIdx.y, qy = threadIdx.z;
-  const int c0 = slab * Tile::kSlab;
+  const int tid = (qy * Tile::kQX + qx) * Tile::kCV + cv;
+  const int c0 = slab * kSlab;
   const int c = c0 + cv * VEC;
+
+  for (int i = tid; i < K * K * kSlab; i += kThreads) {
+    const int t = i / kSlab, ch = c0 + i % kSlab;
+    taps[t][i % kSlab] = ch < C ? static_cast<float>(weight[ch * K * K + t]) : 0.0f;
+  }
+  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, false, kThreads>(
+      tile, grad_output + n * Ho * Wo * C, Ho, Wo, C, qy0 + Reach::kMin, qx0 + Reach::kMin, c0, tid);
+  __syncthreads();
 
   float w[K * K][VEC];
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
+  for (int i = 0; i < K * K; ++i) {
 #pragma unroll
-    for (int i = 0; i < K * K; ++i) {
-      w[i][e] = c + e < C ? static_cast<float>(weight[(c + e) * K * K + i]) : 0.0f;
-    }
+    for (int e = 0; e < VEC; ++e) w[i][e] = taps[i][cv * VEC + e];
   }
-
-  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, false, kThreads>(
-      tile, grad_output + n * Ho * Wo * C, Ho, Wo, C, qy0 + Reach::kMin, qx0 + Reach::kMin, c0,
-      (qy * Tile::kQX + qx) * Tile::kCV + cv);
-  __syncthreads();
 
 #pragma unroll
   for (int q = 0; q < Tile::kQRows; ++q) {
@@ -205,19 +206,21 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int K>
 void launch_s2_nchw(const T* grad_output, const T* weight, T* grad_input,
                     const DepthwiseProblem& p, cudaStream_t stream) {
-  using Tile = NchwQuadTile<K, 32, 2, kThreads / 32>;
-  const int tiles_x = ceil_div(ceil_div(static_cast<int>(p.W), 2), Tile::kQuadW);
-  const int tiles_y = ceil_div(ceil_div(static_cast<int>(p.H), 2), Tile::kQuadH);
-  const unsigned grid = grid_size(p.N * p.C * tiles_x * tiles_y);
-  constexpr int kMaxVec = kVectorBytes / sizeof(T);
-  const int vec = vector_width<T>(kMaxVec, p.Wo, {grad_output});
+  constexpr int kQuadW = 32, kQuadH = 2 * (kThreads / 32);
+  const int tiles_x = ceil_div(ceil_div(static_cast<int>(p.W), 2), kQuadW);
+  const int tiles_y = ceil_div(ceil_div(static_cast<int>(p.H), 2), kQuadH);
+  const int vec = vector_width<T>(4, p.Wo, {grad_output});
   const int out_vec = vector_width<T>(2, p.W, {grad_input});
-  dispatch_vector_width<kMaxVec>(vec, [&](auto v) {
+  dispatch_vector_width<4>(vec, [&](auto v) {
     dispatch_vector_width<2>(out_vec, [&](auto ov) {
-      depthwise_backward_input_s2_nchw_kernel<T, K, decltype(v)::value, decltype(ov)::value>
-          <<<grid, dim3(32, kThreads / 32), 0, stream>>>(grad_output, weight, grad_input, p.C,
-                                                         p.H, p.W, p.Ho, p.Wo, tiles_x, tiles_y);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      for_each_batch_slice(p.N, [&](int64_t n0, unsigned count) {
+        const dim3 grid(grid_x(int64_t{tiles_x} * tiles_y), grid_y(p.C, "channels"), count);
+        depthwise_backward_input_s2_nchw_kernel<T, K, decltype(v)::value, decltype(ov)::value>
+            <<<grid, dim3(32, kThreads / 32), 0, stream>>>(
+                grad_output + n0 * p.C * p.Ho * p.Wo, weight, grad_input + n0 * p.C * p.H * p.W,
+                p.C, p.H, p.W, p.Ho, p.Wo, tiles_x);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   });
 }
@@ -232,12 +235,15 @@ void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input,
     const int tiles_x = ceil_div(ceil_div(static_cast<int>(p.W), 2), Tile::kQuadW);
     const int tiles_y = ceil_div(ceil_div(static_cast<int>(p.H), 2), Tile::kQuadH);
     const int slabs = ceil_div(static_cast<int>(p.C), Tile::kSlab);
-    const unsigned grid = grid_size(p.N * tiles_x * tiles_y * slabs);
     auto kernel = depthwise_backward_input_s2_nhwc_kernel<T, K, VEC>;
     allow_shared_bytes(kernel, Tile::kSharedBytes);
-    kernel<<<grid, dim3(Tile::kCV, Tile::kQX, Tile::kQY), Tile::kSharedBytes, stream>>>(
-            grad_output, weight, grad_input, p.C, p.H, p.W, p.Ho, p.Wo, tiles_x, tiles_y, slabs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for_each_batch_slice(p.N, [&](int64_t n0, unsigned count) {
+      const dim3 grid(grid_x(int64_t{slabs} * tiles_x), grid_y(tiles_y, "tile rows"), count);
+      kernel<<<grid, dim3(Tile::kCV, Tile::kQX, Tile::kQY), Tile::kSharedBytes, stream>>>(
+          grad_output + n0 * p.Ho * p.Wo * p.C, weight, grad_input + n0 * p.H * p.W * p.C, p.C,
+          p.H, p.W, p.Ho, p.Wo, slabs);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -28,13 +28,12 @@ __device__ __forceinline__ float warp_sum(float value) {
 }
 
 // NCHW: 32 x 32 output tiles of one plane, 32 x 8 threads, 4 rows each.
-template <int K, int S>
+template <int K, int S, int VEC>
 struct NchwWeightTile {
   static constexpr int kTX = 32, kTY = kThreads / kTX, kRows = 4;
   static constexpr int kOutW = kTX, kOutH = kTY * kRows;
   static constexpr int kInW = (kOutW - 1) * S + K, kInH = (kOutH - 1) * S + K;
-  using Map = ColumnMap<kInW, S == 2>;
-  static constexpr int kPitch = Map::kWidth;
+  using Plane = PlaneTile<kInH, kInW, VEC, S == 2>;
 };
 
 template <typename T, int K, int S, int VEC>
@@ -43,15 +42,15 @@ __global__ void __launch_bounds__(kThreads)
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
                                           int Ho, int Wo, int tiles_x, int tiles_y,
-                                          int64_t items, int chunks) {
-  using Tile = NchwWeightTile<K, S>;
-  using Map = typename Tile::Map;
+                                          int items, int chunks) {
+  using Tile = NchwWeightTile<K, S, VEC>;
+  using Plane = typename Tile::Plane;
   constexpr int kSums = K * K + 1;  // taps, then the bias
-  __shared__ float tile[Tile::kInH * Tile::kPitch];
+  __shared__ __align__(16) float tile[Plane::kFloats];
   __shared__ float warp_sums[kThreads / 32][kSums];
 
-  const int c = static_cast<int>(blockIdx.x / chunks);
-  const int chunk = static_cast<int>(blockIdx.x % chunks);
+  const int chunk = blockIdx.x;
+  const int c = blockIdx.y;
   const int tid = threadIdx.y * Tile::kTX + threadIdx.x;
   const int ly0 = threadIdx.y * Tile::kRows;
   const int tiles = tiles_x * tiles_y;
@@ -60,11 +59,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kSums; ++i) acc[i] = 0.0f;
 
-  const int64_t first = static_cast<int64_t>(chunk) * kTilesPerBlock;
-  const int64_t last = first + kTilesPerBlock < items ? first + kTilesPerBlock : items;
-  for (int64_t item = first; item < last; ++item) {
+  const int first = chunk * kTilesPerBlock;
+  const int last = min(first + kTilesPerBlock, items);
+  for (int item = first; item < last; ++item) {
     const int64_t n = item / tiles;
-    const int t = static_cast<int>(item % tiles);
+    const int t = item - static_cast<int>(n) * tiles;
     const int oy0 = (t / tiles_x) * Tile::kOutH, ox0 = (t % tiles_x) * Tile::kOutW;
     const int64_t plane = n * C + c;
     const int ox = ox0 + threadIdx.x;
@@ -80,16 +79,16 @@ __global__ void __launch_bounds__(kThreads)
       acc[K * K] += g[r];
     }
     __syncthreads();  // the previous item's reads of the tile are done
-    load_plane_tile<T, Tile::kInH, Tile::kInW, Tile::kPitch, VEC, S == 2, kThreads>(
-        tile, input + plane * H * W, H, W, oy0 * S - K / 2, ox0 * S - K / 2, tid);
+    const int lead = Plane::template load<T, kThreads>(tile, input + plane * H * W, H, W,
+                                                        oy0 * S - K / 2, ox0 * S - K / 2, tid);
     __syncthreads();
 
 #pragma unroll
     for (int ir = 0; ir < (Tile::kRows - 1) * S + K; ++ir) {
-      const float* row = tile + (ly0 * S + ir) * Tile::kPitch;
+      const float* row = tile + (ly0 * S + ir) * Plane::kPitch;
       float v[K];
 #pragma unroll
-      for (int kx = 0; kx < K; ++kx) v[kx] = row[Map::phys(threadIdx.x * S + kx)];
+      for (int kx = 0; kx < K; ++kx) v[kx] = row[Plane::column(lead + threadIdx.x * S + kx)];
 #pragma unroll
       for (int r = 0; r < Tile::kRows; ++r) {
         const int ky = ir - r * S;
@@ -131,7 +130,7 @@ __global__ void __launch_bounds__(kThreads)
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
                                           int Ho, int Wo, int tiles_x, int tiles_y,
-                                          int64_t items, int chunks) {
+                                          int items, int chunks) {
   using Tile = NhwcWeightTile<T, K, S>;
   constexpr int kCh = Tile::kChannels;
   constexpr int kSums = K * K + 1;
@@ -139,8 +138,8 @@ __global__ void __launch_bounds__(kThreads)
   T* tile = reinterpret_cast<T*>(shared_bytes);
   __shared__ float warp_sums[Tile::kOutH][kCh];
 
-  const int slab = static_cast<int>(blockIdx.x / chunks);
-  const int chunk = static_cast<int>(blockIdx.x % chunks);
+  const int chunk = blockIdx.x;
+  const int slab = blockIdx.y;
   const int lane = threadIdx.x, ly = threadIdx.y;
   const int c0 = slab * kCh;
   const int c = c0 + lane;
@@ -150,11 +149,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kSums; ++i) acc[i] = 0.0f;
 
-  const int64_t first = static_cast<int64_t>(chunk) * kTilesPerBlock;
-  const int64_t last = first + kTilesPerBlock < items ? first + kTilesPerBlock : items;
-  for (int64_t item = first; item < last; ++item) {
+  const int first = chunk * kTilesPerBlock;
+  const int last = min(first + kTilesPerBlock, items);
+  for (int item = first; item < last; ++item) {
     const int64_t n = item / tiles;
-    const int t = static_cast<int>(item % tiles);
+    const int t = item - static_cast<int>(n) * tiles;
     const int oy0 = (t / tiles_x) * Tile::kOutH, ox0 = (t % tiles_x) * Tile::kOutW;
     const int oy = oy0 + ly;
 
@@ -238,6 +237,9 @@ WorkSplit split_work(const DepthwiseProblem& p) {
   split.tiles_x = ceil_div(static_cast<int>(p.Wo), Tile::kOutW);
   split.tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
   split.items = p.N * split.tiles_x * split.tiles_y;
+  TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
+              "LumenBridge: batch too large for one weight-gradient launch (", split.items,
+              " tiles)");
   split.chunks = ceil_div64(split.items, kTilesPerBlock);
   return split;
 }
@@ -247,14 +249,13 @@ void launch_pass1(const T* grad_output, const T* input, float* partials, const W
                   const DepthwiseProblem& p, cudaStream_t stream) {
   const int chunks = static_cast<int>(split.chunks);
   if (p.layout == Layout::NCHW) {
-    using Tile = NchwWeightTile<K, S>;
-    constexpr int kMaxVec = kVectorBytes / sizeof(T);
-    const int vec = vector_width<T>(kMaxVec, p.W, {input});
-    dispatch_vector_width<kMaxVec>(vec, [&](auto v) {
+    const int vec = vector_width<T>(4, p.W, {input});
+    dispatch_vector_width<4>(vec, [&](auto v) {
+      using Tile = NchwWeightTile<K, S, decltype(v)::value>;
       depthwise_backward_weight_nchw_kernel<T, K, S, decltype(v)::value>
-          <<<grid_size(p.C * split.chunks), dim3(Tile::kTX, Tile::kTY), 0, stream>>>(
-              grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x,
-              split.tiles_y, split.items, chunks);
+          <<<dim3(grid_x(split.chunks), grid_y(p.C, "channels")), dim3(Tile::kTX, Tile::kTY), 0,
+             stream>>>(grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x,
+                       split.tiles_y, static_cast<int>(split.items), chunks);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
@@ -264,9 +265,10 @@ void launch_pass1(const T* grad_output, const T* input, float* partials, const W
     dispatch_vector_width<4>(vec, [&](auto v) {
       auto kernel = depthwise_backward_weight_nhwc_kernel<T, K, S, decltype(v)::value>;
       allow_shared_bytes(kernel, Tile::kSharedBytes);
-      kernel<<<grid_size(slabs * split.chunks), dim3(Tile::kChannels, Tile::kOutH), Tile::kSharedBytes, stream>>>(
-              grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x,
-              split.tiles_y, split.items, chunks);
+      kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")),
+               dim3(Tile::kChannels, Tile::kOutH), Tile::kSharedBytes, stream>>>(
+          grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x, split.tiles_y,
+          static_cast<int>(split.items), chunks);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -288,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
     dispatch_kernel_size(p.K, [&](auto k) {
       dispatch_stride(p.stride, [&](auto s) {
         constexpr int K = decltype(k)::value, S = decltype(s)::value;
-        const WorkSplit split = p.layout == Layout::NCHW ? split_work<NchwWeightTile<K, S>>(p)
+        const WorkSplit split = p.layout == Layout::NCHW ? split_work<NchwWeightTile<K, S, 1>>(p)
                                                           : split_work<NhwcWeightTile<T, K, S>>(p);
         // An empty batch has no chunks: one zero partial keeps pass 2 uniform.
         const int64_t chunks = std::max<int64_t>(split.chunks, 1);
@@ -298,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
                                 partials.mutable_data_ptr<float>(), split, p, stream);
         }
         const int64_t sums = p.C * (taps + 1);
-        depthwise_weight_sum_partials_kernel<T><<<grid_size(ceil_div64(sums, kThreads)), kThreads, 0, stream>>>(
+        depthwise_weight_sum_partials_kernel<T><<<grid_x(ceil_div64(sums, kThreads)), kThreads, 0, stream>>>(
             partials.const_data_ptr<float>(), grad_weight.mutable_data_ptr<T>(),
             grad_bias.mutable_data_ptr<T>(), static_cast<int>(p.C), taps,
             static_cast<int>(chunks));

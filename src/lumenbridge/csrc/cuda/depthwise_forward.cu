@@ -19,36 +19,33 @@ namespace cuda {
 namespace {
 
 // NCHW tile shapes: TX threads along a row, kThreads / TX rows of threads,
-// ROWS output rows per thread. Wide planes use 32 x 32 output tiles; planes
-// at most 16 wide use the 16 x 16 tile so fewer lanes idle.
-template <int K, int S, int TX, int ROWS>
+// ROWS output rows per thread: 32 x 64 output tiles for tall planes, 32 x 32
+// for planes at most 32 tall, 16 x 16 for planes at most 16 wide, so that few
+// lanes idle at the plane's edges.
+template <int K, int S, int TX, int ROWS, int VEC>
 struct NchwTile {
   static constexpr int kTY = kThreads / TX;
   static constexpr int kOutW = TX;
   static constexpr int kOutH = kTY * ROWS;
   static constexpr int kInW = (kOutW - 1) * S + K;
   static constexpr int kInH = (kOutH - 1) * S + K;
-  using Map = ColumnMap<kInW, S == 2>;
-  // A 16-wide block puts two rows in a warp; rows 16 banks apart keep their
-  // reads conflict-free. A 32-wide warp reads within one row.
-  static constexpr int kPitch = TX == 32 ? Map::kWidth : Map::kWidth + (48 - Map::kWidth % 32) % 32;
+  // A 16-wide block puts two rows in a warp; a 32-wide warp reads one row.
+  using Plane = PlaneTile<kInH, kInW, VEC, S == 2, TX == 16>;
 };
 
 template <typename T, int K, int S, int VEC, int TX, int ROWS>
 __global__ void __launch_bounds__(kThreads)
     depthwise_forward_nchw_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
-                                  int H, int W, int Ho, int Wo, int tiles_x, int tiles_y) {
-  using Tile = NchwTile<K, S, TX, ROWS>;
-  using Map = typename Tile::Map;
-  __shared__ float tile[Tile::kInH * Tile::kPitch];
+                                  int H, int W, int Ho, int Wo, int tiles_x) {
+  using Plane = typename NchwTile<K, S, TX, ROWS, VEC>::Plane;
+  using Tile = NchwTile<K, S, TX, ROWS, VEC>;
+  __shared__ __align__(16) float tile[Plane::kFloats];
 
-  int64_t block = blockIdx.x;
-  const int bx = static_cast<int>(block % tiles_x);
-  block /= tiles_x;
-  const int by = static_cast<int>(block % tiles_y);
-  const int64_t plane = block / tiles_y;
-  const int c = static_cast<int>(plane % C);
+  const int by = blockIdx.x / tiles_x;
+  const int bx = blockIdx.x - by * tiles_x;
+  const int c = blockIdx.y;
+  const int64_t plane = static_cast<int64_t>(blockIdx.z) * C + c;
   const int oy0 = by * Tile::kOutH;
   const int ox0 = bx * Tile::kOutW;
 
@@ -58,21 +55,24 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < K * K; ++i) w[i] = static_cast<float>(weight[c * K * K + i]);
   const float b = bias != nullptr ? static_cast<float>(bias[c]) : 0.0f;
 
-  load_plane_tile<T, Tile::kInH, Tile::kInW, Tile::kPitch, VEC, S == 2, kThreads>(
+  const int lead = Plane::template load<T, kThreads>(
       tile, input + plane * H * W, H, W, oy0 * S - K / 2, ox0 * S - K / 2,
       threadIdx.y * TX + threadIdx.x);
   __syncthreads();
 
+  int col[K];
+#pragma unroll
+  for (int kx = 0; kx < K; ++kx) col[kx] = Plane::column(lead + threadIdx.x * S + kx);
   const int ly0 = threadIdx.y * ROWS;
   float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = b;
 #pragma unroll
   for (int ir = 0; ir < (ROWS - 1) * S + K; ++ir) {
-    const float* row = tile + (ly0 * S + ir) * Tile::kPitch;
+    const float* row = tile + (ly0 * S + ir) * Plane::kPitch;
     float v[K];
 #pragma unroll
-    for (int kx = 0; kx < K; ++kx) v[kx] = row[Map::phys(threadIdx.x * S + kx)];
+    for (int kx = 0; kx < K; ++kx) v[kx] = row[col[kx]];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int ky = ir - r * S;  // compile-time once unrolled: no branch survives
@@ -110,46 +110,52 @@ template <typename T, int K, int S, int VEC>
 __global__ void __launch_bounds__(kThreads)
     depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
-                                  int H, int W, int Ho, int Wo, int tiles_x, int tiles_y,
-                                  int slabs) {
+                                  int H, int W, int Ho, int Wo, int slabs) {
   using Tile = NhwcTile<T, K, S, VEC>;
   using Map = typename Tile::Map;
   constexpr int ROWS = Tile::kRows;
+  constexpr int kSlab = Tile::kSlab;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* tile = reinterpret_cast<T*>(shared_bytes);
+  // The slab's taps ([tap][channel]) and bias, staged once per block.
+  __shared__ __align__(16) float taps[K * K + 1][kSlab];
 
-  // Slabs vary fastest, so the blocks reading one pixel's channels run together.
-  int64_t block = blockIdx.x;
-  const int slab = static_cast<int>(block % slabs);
-  block /= slabs;
-  const int bx = static_cast<int>(block % tiles_x);
-  block /= tiles_x;
-  const int by = static_cast<int>(block % tiles_y);
-  const int64_t n = block / tiles_y;
+  const int slab = blockIdx.x % slabs;
+  const int bx = blockIdx.x / slabs;  // slabs vary fastest: one pixel's channels load together
+  const int by = blockIdx.y;
+  const int64_t n = blockIdx.z;
   const int oy0 = by * Tile::kOutH;
   const int ox0 = bx * Tile::kOutW;
   const int cv = threadIdx.x, sx = threadIdx.y, sy = threadIdx.z;
-  const int c0 = slab * Tile::kSlab;
+  const int tid = (sy * Tile::kSX + sx) * Tile::kCV + cv;
+  const int c0 = slab * kSlab;
   const int c = c0 + cv * VEC;
+
+  for (int i = tid; i < (K * K + 1) * kSlab; i += kThreads) {
+    const int t = i / kSlab, ch = c0 + i % kSlab;
+    float value = 0.0f;
+    if (ch < C) {
+      if (t < K * K) {
+        value = static_cast<float>(weight[ch * K * K + t]);
+      } else if (bias != nullptr) {
+        value = static_cast<float>(bias[ch]);
+      }
+    }
+    taps[t][i % kSlab] = value;
+  }
+  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, S == 2, kThreads>(
+      tile, input + n * H * W * C, H, W, C, oy0 * S - K / 2, ox0 * S - K / 2, c0, tid);
+  __syncthreads();
 
   float w[K * K][VEC];
   float acc[ROWS][VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    const bool valid = c + e < C;
 #pragma unroll
-    for (int i = 0; i < K * K; ++i) {
-      w[i][e] = valid ? static_cast<float>(weight[(c + e) * K * K + i]) : 0.0f;
-    }
-    const float b = valid && bias != nullptr ? static_cast<float>(bias[c + e]) : 0.0f;
+    for (int i = 0; i < K * K; ++i) w[i][e] = taps[i][cv * VEC + e];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r][e] = b;
+    for (int r = 0; r < ROWS; ++r) acc[r][e] = taps[K * K][cv * VEC + e];
   }
-
-  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, S == 2, kThreads>(
-      tile, input + n * H * W * C, H, W, C, oy0 * S - K / 2, ox0 * S - K / 2, c0,
-      (sy * Tile::kSX + sx) * Tile::kCV + cv);
-  __syncthreads();
 
   const int ly0 = sy * ROWS;
 #pragma unroll
@@ -191,14 +197,16 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int K, int S, int VEC, int TX, int ROWS>
 void launch_nchw(const T* input, const T* weight, const T* bias, T* output,
                  const DepthwiseProblem& p, cudaStream_t stream) {
-  using Tile = NchwTile<K, S, TX, ROWS>;
+  using Tile = NchwTile<K, S, TX, ROWS, VEC>;
   const int tiles_x = ceil_div(static_cast<int>(p.Wo), Tile::kOutW);
   const int tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
-  const unsigned grid = grid_size(p.N * p.C * tiles_x * tiles_y);
-  depthwise_forward_nchw_kernel<T, K, S, VEC, TX, ROWS>
-      <<<grid, dim3(TX, Tile::kTY), 0, stream>>>(input, weight, bias, output, p.C, p.H, p.W,
-                                                  p.Ho, p.Wo, tiles_x, tiles_y);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for_each_batch_slice(p.N, [&](int64_t n0, unsigned count) {
+    const dim3 grid(grid_x(int64_t{tiles_x} * tiles_y), grid_y(p.C, "channels"), count);
+    depthwise_forward_nchw_kernel<T, K, S, VEC, TX, ROWS><<<grid, dim3(TX, Tile::kTY), 0, stream>>>(
+        input + n0 * p.C * p.H * p.W, weight, bias, output + n0 * p.C * p.Ho * p.Wo, p.C, p.H,
+        p.W, p.Ho, p.Wo, tiles_x);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template <typename T, int K, int S, int VEC>
@@ -208,12 +216,15 @@ void launch_nhwc(const T* input, const T* weight, const T* bias, T* output,
   const int tiles_x = ceil_div(static_cast<int>(p.Wo), Tile::kOutW);
   const int tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
   const int slabs = ceil_div(static_cast<int>(p.C), Tile::kSlab);
-  const unsigned grid = grid_size(p.N * tiles_x * tiles_y * slabs);
   auto kernel = depthwise_forward_nhwc_kernel<T, K, S, VEC>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
-  kernel<<<grid, dim3(Tile::kCV, Tile::kSX, Tile::kSY), Tile::kSharedBytes, stream>>>(
-      input, weight, bias, output, p.C, p.H, p.W, p.Ho, p.Wo, tiles_x, tiles_y, slabs);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for_each_batch_slice(p.N, [&](int64_t n0, unsigned count) {
+    const dim3 grid(grid_x(int64_t{slabs} * tiles_x), grid_y(tiles_y, "output tile rows"), count);
+    kernel<<<grid, dim3(Tile::kCV, Tile::kSX, Tile::kSY), Tile::kSharedBytes, stream>>>(
+        input + n0 * p.H * p.W * p.C, weight, bias, output + n0 * p.Ho * p.Wo * p.C, p.C, p.H,
+        p.W, p.Ho, p.Wo, slabs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace
@@ -233,14 +244,15 @@ void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
       dispatch_stride(p.stride, [&](auto s) {
         constexpr int K = decltype(k)::value, S = decltype(s)::value;
         if (p.layout == Layout::NCHW) {
-          constexpr int kMaxVec = kVectorBytes / sizeof(T);
-          const int vec = vector_width<T>(kMaxVec, p.W, {in});
-          dispatch_vector_width<kMaxVec>(vec, [&](auto v) {
+          const int vec = vector_width<T>(4, p.W, {in});
+          dispatch_vector_width<4>(vec, [&](auto v) {
             constexpr int VEC = decltype(v)::value;
-            if (p.Wo > 16) {
+            if (p.Wo <= 16) {
+              launch_nchw<T, K, S, VEC, 16, 1>(in, w, b, out, p, stream);
+            } else if (p.Ho <= 32) {
               launch_nchw<T, K, S, VEC, 32, 4>(in, w, b, out, p, stream);
             } else {
-              launch_nchw<T, K, S, VEC, 16, 1>(in, w, b, out, p, stream);
+              launch_nchw<T, K, S, VEC, 32, 8>(in, w, b, out, p, stream);
             }
           });
         } else {

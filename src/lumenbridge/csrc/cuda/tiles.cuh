@@ -25,38 +25,70 @@ struct ColumnMap {
   }
 };
 
-// NCHW: one plane, ROWS x COLS window, stored as float rows of PITCH.
-// Global loads are VEC-wide and VEC-aligned: the first chunk starts up to
-// VEC - 1 columns left of x0 and those leading cells are dropped. The caller
-// guarantees W % VEC == 0, so every chunk is wholly inside or outside a row.
-template <typename T, int ROWS, int COLS, int PITCH, int VEC, bool Deinterleave, int THREADS>
-__device__ __forceinline__ void load_plane_tile(float* __restrict__ tile,
-                                                const T* __restrict__ plane, int H, int W,
-                                                int y0, int x0, int tid) {
-  using Map = ColumnMap<COLS, Deinterleave>;
-  constexpr int kChunks = ceil_div(COLS + VEC - 1, VEC);
-  constexpr int kItems = ROWS * kChunks;
-  const int lead = ((x0 % VEC) + VEC) % VEC;
-  // Unrolled in groups of 8: enough loads in flight without exhausting registers.
-#pragma unroll 8
-  for (int k = 0; k < ceil_div(kItems, THREADS); ++k) {
-    const int item = tid + k * THREADS;
-    if (kItems % THREADS != 0 && item >= kItems) break;
-    const int r = item / kChunks;
-    const int q = item - r * kChunks;
-    const int gy = y0 + r;
-    const int gx = x0 - lead + q * VEC;
-    Vec<T, VEC> v = zero_vec<T, VEC>();
-    if (gy >= 0 && gy < H && gx >= 0 && gx < W) {
-      v = load_vec<T, VEC>(plane + static_cast<int64_t>(gy) * W + gx);
-    }
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const int j = q * VEC + e - lead;
-      if (j >= 0 && j < COLS) tile[r * PITCH + Map::phys(j)] = static_cast<float>(v.v[e]);
-    }
+__host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
+
+// NCHW: a ROWS x COLS window of one plane, stored as float rows of kPitch.
+// Loads are VEC-wide and VEC-aligned, so the stored window starts `lead`
+// (0 .. VEC - 1) columns left of the requested x0: logical column j of the
+// window is stored at column(lead + j). The caller guarantees W % VEC == 0,
+// so each chunk lies wholly inside or outside a row and is stored whole.
+// TwoRowWarps pads rows so the two rows a 16-wide warp reads sit 16 banks apart.
+template <int ROWS, int COLS, int VEC, bool Deinterleave, bool TwoRowWarps = false>
+struct PlaneTile {
+  static constexpr int kStoreW = round_up(COLS + VEC - 1, VEC);
+  static constexpr int kChunks = kStoreW / VEC;
+  static constexpr int kPairs = VEC > 1 ? VEC / 2 : 1;
+  static constexpr int kHalf = Deinterleave ? round_up(ceil_div(kStoreW, 2), kPairs) : 0;
+  static constexpr int kWidth = Deinterleave ? 2 * kHalf : kStoreW;
+  static constexpr int kPitch = TwoRowWarps ? kWidth + (48 - kWidth % 32) % 32 : kWidth;
+  static constexpr int kFloats = ROWS * kPitch;
+
+  __device__ __forceinline__ static int column(int j) {
+    return Deinterleave ? (j & 1) * kHalf + (j >> 1) : j;
   }
-}
+
+  template <typename T, int THREADS>
+  __device__ __forceinline__ static int load(float* __restrict__ tile, const T* __restrict__ plane,
+                                             int H, int W, int y0, int x0, int tid) {
+    constexpr int kItems = ROWS * kChunks;
+    const int lead = ((x0 % VEC) + VEC) % VEC;
+    const int xs = x0 - lead;
+    // Unrolled in groups of 8: enough loads in flight without exhausting registers.
+#pragma unroll 8
+    for (int k = 0; k < ceil_div(kItems, THREADS); ++k) {
+      const int item = tid + k * THREADS;
+      if (kItems % THREADS != 0 && item >= kItems) break;
+      const int r = item / kChunks;
+      const int q = item - r * kChunks;
+      const int gy = y0 + r;
+      const int gx = xs + q * VEC;
+      Vec<T, VEC> v = zero_vec<T, VEC>();
+      if (gy >= 0 && gy < H && gx >= 0 && gx < W) {
+        v = load_vec<T, VEC>(plane + static_cast<int64_t>(gy) * W + gx);
+      }
+      float* row = tile + r * kPitch;
+      if constexpr (Deinterleave && VEC > 1) {
+        // Even columns of the chunk go to the first half, odd to the second.
+        Vec<float, kPairs> even, odd;
+#pragma unroll
+        for (int e = 0; e < kPairs; ++e) {
+          even.v[e] = static_cast<float>(v.v[2 * e]);
+          odd.v[e] = static_cast<float>(v.v[2 * e + 1]);
+        }
+        store_vec<float, kPairs>(row + q * kPairs, even);
+        store_vec<float, kPairs>(row + kHalf + q * kPairs, odd);
+      } else if constexpr (Deinterleave) {
+        row[column(q)] = static_cast<float>(v.v[0]);
+      } else {
+        Vec<float, VEC> f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f.v[e] = static_cast<float>(v.v[e]);
+        store_vec<float, VEC>(row + q * VEC, f);
+      }
+    }
+    return lead;
+  }
+};
 
 // NHWC: pixels of the window hold a slab of CV * VEC channels starting at c0,
 // stored in the input dtype as [ROWS][phys column][CV * VEC]. Eight threads

@@ -28,44 +28,45 @@ void check_dtype(const at::Tensor& t, const char* name) {
 
 void check_same_device(const at::Tensor& reference, const char* reference_name,
                        const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", t.device(),
-              " but ", reference_name, " is on ", reference.device(),
+  TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", text(t.device()),
+              " but ", reference_name, " is on ", text(reference.device()),
               "; all tensors must be on the same device");
 }
 
 void check_same_dtype(const at::Tensor& reference, const char* reference_name,
                       const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == reference.scalar_type(), "LumenBridge: ", name, " has dtype ",
-              t.scalar_type(), " but ", reference_name, " has dtype ", reference.scalar_type(),
+              text(t.scalar_type()), " but ", reference_name, " has dtype ",
+              text(reference.scalar_type()),
               "; they must match");
 }
 
 void check_4d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", t.dim(),
-              "-D with shape ", t.sizes());
+  TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", text(t.dim()),
+              "-D with shape ", text(t.sizes()));
   TORCH_CHECK(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
-              " must have at least one channel and one pixel, got shape ", t.sizes());
+              " must have at least one channel and one pixel, got shape ", text(t.sizes()));
 }
 
 void check_stride(int64_t stride) {
-  TORCH_CHECK(stride == 1 || stride == 2, "LumenBridge: stride must be 1 or 2, got ", stride);
+  TORCH_CHECK(stride == 1 || stride == 2, "LumenBridge: stride must be 1 or 2, got ", text(stride));
 }
 
 void check_kernel_size(int64_t k) {
   TORCH_CHECK(is_supported_kernel_size(k),
               "LumenBridge: kernel_size must be 3, 5 or 7 (odd, so padding K/2 is symmetric), got ",
-              k);
+              text(k));
 }
 
 // Depthwise weight: [C, 1, K, K], dense, K odd in {3, 5, 7}.
 int64_t check_weight(const at::Tensor& weight, int64_t channels) {
   TORCH_CHECK(weight.dim() == 4 && weight.size(1) == 1 && weight.size(2) == weight.size(3),
-              "LumenBridge: weight must have shape [C, 1, K, K], got ", weight.sizes());
-  TORCH_CHECK(weight.size(0) == channels, "LumenBridge: weight has ", weight.size(0),
-              " channels but the input has ", channels);
+              "LumenBridge: weight must have shape [C, 1, K, K], got ", text(weight.sizes()));
+  TORCH_CHECK(weight.size(0) == channels, "LumenBridge: weight has ", text(weight.size(0)),
+              " channels but the input has ", text(channels));
   check_kernel_size(weight.size(2));
   TORCH_CHECK(weight.is_contiguous(), "LumenBridge: weight must be contiguous, got strides ",
-              weight.strides());
+              text(weight.strides()));
   return weight.size(2);
 }
 
@@ -74,7 +75,8 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& input, 
   check_same_device(input, "input", *bias, "bias");
   check_same_dtype(input, "input", *bias, "bias");
   TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels,
-              "LumenBridge: bias must have shape [", channels, "], got ", bias->sizes());
+              "LumenBridge: bias must have shape [", text(channels), "], got ",
+              text(bias->sizes()));
   TORCH_CHECK(bias->is_contiguous(), "LumenBridge: bias must be contiguous");
 }
 
@@ -87,8 +89,8 @@ Layout check_layout(std::initializer_list<std::pair<const at::Tensor*, const cha
     const bool nchw = t->is_contiguous();
     const bool nhwc = t->is_contiguous(at::MemoryFormat::ChannelsLast);
     TORCH_CHECK(nchw || nhwc, "LumenBridge: ", name,
-                " must be contiguous NCHW or channels-last NHWC, got sizes ", t->sizes(),
-                " and strides ", t->strides(),
+                " must be contiguous NCHW or channels-last NHWC, got sizes ", text(t->sizes()),
+                " and strides ", text(t->strides()),
                 "; call .contiguous() or .contiguous(memory_format=torch.channels_last) first");
     all_nchw = all_nchw && nchw;
     all_nhwc = all_nhwc && nhwc;
@@ -116,11 +118,10 @@ DepthwiseProblem make_problem(int64_t N, int64_t C, int64_t H, int64_t W, int64_
 }
 
 void check_grad_output_shape(const at::Tensor& grad_output, const DepthwiseProblem& p) {
-  TORCH_CHECK(grad_output.size(0) == p.N && grad_output.size(1) == p.C &&
-                  grad_output.size(2) == p.Ho && grad_output.size(3) == p.Wo,
-              "LumenBridge: grad_output has shape ", grad_output.sizes(), " but expected [", p.N,
-              ", ", p.C, ", ", p.Ho, ", ", p.Wo, "] for an input of [", p.N, ", ", p.C, ", ",
-              p.H, ", ", p.W, "] with K=", p.K, " and stride ", p.stride);
+  const std::vector<int64_t> expected{p.N, p.C, p.Ho, p.Wo};
+  TORCH_CHECK(grad_output.sizes() == at::IntArrayRef(expected), "LumenBridge: grad_output has shape ",
+              text(grad_output.sizes()), " but expected ", text(expected), " for an input of ",
+              text({p.N, p.C, p.H, p.W}), " with K=", text(p.K), " and stride ", text(p.stride));
 }
 
 DepthwiseProblem check_forward(const at::Tensor& input, const at::Tensor& weight,
@@ -145,7 +146,7 @@ DepthwiseProblem check_backward_input(const at::Tensor& grad_output, const at::T
   const int64_t K = check_weight(weight, grad_output.size(1));
   check_stride(stride);
   TORCH_CHECK(input_size.size() == 2 && input_size[0] >= 1 && input_size[1] >= 1,
-              "LumenBridge: input_size must be [H, W] with H, W >= 1, got ", input_size);
+              "LumenBridge: input_size must be [H, W] with H, W >= 1, got ", text(input_size));
   const Layout layout = check_layout({{&grad_output, "grad_output"}});
   const DepthwiseProblem p = make_problem(grad_output.size(0), grad_output.size(1),
                                           input_size[0], input_size[1], K, stride, layout);
@@ -192,6 +193,20 @@ std::tuple<at::Tensor, at::Tensor> backward_weight_entry(const at::Tensor& grad_
 }
 
 }  // namespace
+
+std::string text(int64_t value) { return std::to_string(value); }
+
+std::string text(at::IntArrayRef values) {
+  std::string joined = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    joined += (i ? ", " : "") + std::to_string(values[i]);
+  }
+  return joined + "]";
+}
+
+std::string text(at::ScalarType dtype) { return c10::toString(dtype); }
+
+std::string text(const at::Device& device) { return device.str(); }
 
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
                       at::MemoryFormat memory_format) {

@@ -29,6 +29,16 @@ inline int64_t depthwise_output_extent(int64_t in, int64_t K, int64_t stride) {
   return (in + 2 * (K / 2) - K) / stride + 1;
 }
 
+// Error messages are built from strings only. Numbers, shapes, dtypes and
+// devices are turned into std::string here rather than streamed: a toolchain
+// that links its own copy of libstdc++ into the extension crashes when a
+// number is streamed into libtorch's message builder (seen on a CUDA image
+// whose default g++ does this).
+std::string text(int64_t value);
+std::string text(at::IntArrayRef values);
+std::string text(at::ScalarType dtype);
+std::string text(const at::Device& device);
+
 // Allocates a kernel output through ATen (so CUDA graphs and the caching
 // allocator see it). When poisoning is on (tests only, via the op
 // lumenbridge::_set_poison_outputs), floating outputs are filled with NaN

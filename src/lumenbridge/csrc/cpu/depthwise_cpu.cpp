@@ -1,11 +1,11 @@
 // CPU kernels for the depthwise convolution, reading NCHW and NHWC natively.
 //
-// Every kernel accumulates in registers over "lanes": output columns of one
-// row for NCHW, contiguous channels of one pixel for NHWC. A block of lanes
-// walks a short list of taps (weight, source offset) built once per row or
-// pixel, so the inner loops are fixed-width, branch-free and vectorize.
-// Lanes near the image border, where taps fall into the zero padding, take a
-// separate path. The gateway has validated every argument.
+// Every kernel accumulates in registers over a block of "lanes" that share
+// their taps: consecutive output columns for NCHW, consecutive channels for
+// NHWC. The lane loops have a fixed width and no branches, so they
+// vectorize. NCHW kernels read a zero-padded opmath copy of the rows they
+// need, which removes all border tests; NHWC kernels skip the taps that fall
+// into the padding per pixel. The gateway has validated every argument.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -21,8 +21,9 @@ namespace {
 
 constexpr int64_t kMaxK = 7;
 constexpr int64_t kMaxTaps = kMaxK * kMaxK;
-// Lanes per register block: 16 gives enough independent add chains to hide
-// latency and still fits the registers; narrow blocks cover what is left.
+// Lanes per register block: enough independent add chains to hide their
+// latency, few enough to stay in registers. Narrow blocks take what is left
+// of a row in the NCHW weight gradient.
 constexpr int64_t kLanes = 16;
 constexpr int64_t kNarrowLanes = 4;
 // Multiply-adds a parallel_for chunk should hold at least, so that small
@@ -33,23 +34,21 @@ int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_item));
 }
 
-template <int64_t L>
-using Lanes = std::integral_constant<int64_t, L>;
+template <int64_t V>
+using Int = std::integral_constant<int64_t, V>;
 
-// Calls f with the stride as a compile-time constant, so that strided lane
-// loops vectorize.
+// Calls f with the stride as a compile-time constant, for the NCHW index math.
 template <typename F>
 void with_stride(int64_t stride, F&& f) {
   if (stride == 1) {
-    f(Lanes<1>{});
+    f(Int<1>{});
   } else {
-    f(Lanes<2>{});
+    f(Int<2>{});
   }
 }
 
 // Half-open range [lo, hi) of positions o in [0, n_out) whose source position
-// o * s + off lies in [0, n_in); hi <= lo means empty. Serves both for the
-// columns one tap reaches and, with s = 1, for the taps one position has.
+// o * s + off lies in [0, n_in); hi <= lo means empty.
 struct Range {
   int64_t lo, hi;
 };
@@ -60,31 +59,21 @@ Range valid_range(int64_t off, int64_t s, int64_t n_out, int64_t n_in) {
   return {lo, last < 0 ? 0 : std::min(n_out, last / s + 1)};
 }
 
-// Covers lanes [0, n) with register blocks: blocks of kLanes, then blocks of
-// kNarrowLanes, the last one shifted back to end at n (the lanes it computes
-// twice get identical values, which beats a scalar tail); single lanes when
-// n < kNarrowLanes. The blocks depend on n only, never on the threads.
+// Covers lanes [0, n) with blocks of kLanes, the last one shifted back to end
+// at n: the lanes it computes twice get identical values, which beats a
+// scalar tail. Single lanes when n < kLanes. Depends on n only, never on the
+// thread count.
 struct LaneBlocks {
-  int64_t n, wide, narrow;
-  explicit LaneBlocks(int64_t n_)
-      : n(n_),
-        wide(n_ / kLanes),
-        narrow(n_ < kNarrowLanes ? n_ : (n_ % kLanes + kNarrowLanes - 1) / kNarrowLanes) {}
-  int64_t count() const { return wide + narrow; }
-  // Calls f(Lanes<L>{}, first lane) for block b.
+  int64_t n;
+  int64_t count() const { return n < kLanes ? n : (n + kLanes - 1) / kLanes; }
+  // Calls f(Int<width>{}, first lane) for block b.
   template <typename F>
   void run(int64_t b, F&& f) const {
-    if (b < wide) {
-      f(Lanes<kLanes>{}, b * kLanes);
-    } else if (n < kNarrowLanes) {
-      f(Lanes<1>{}, b);
+    if (n < kLanes) {
+      f(Int<1>{}, b);
     } else {
-      f(Lanes<kNarrowLanes>{}, std::min(wide * kLanes + (b - wide) * kNarrowLanes, n - kNarrowLanes));
+      f(Int<kLanes>{}, std::min(b * kLanes, n - kLanes));
     }
-  }
-  template <typename F>
-  void run_all(F&& f) const {
-    for (int64_t b = 0; b < count(); ++b) run(b, f);
   }
 };
 
@@ -170,8 +159,9 @@ struct PixelTaps {
 
 // dst[c] = init[c] + the taps of channel c, for c in [0, C).
 template <typename scalar_t, typename acc_t>
-void conv_pixel(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t, int64_t C) {
-  LaneBlocks(C).run_all([&](auto L, int64_t c0) {
+void conv_pixel(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_t>& t,
+                int64_t C) {
+  const auto block = [&](auto L, int64_t c0) {
     acc_t a[L];
     for (int64_t v = 0; v < L; ++v) a[v] = init[c0 + v];
     for (int64_t k = 0; k < t.count; ++k) {
@@ -180,19 +170,9 @@ void conv_pixel(scalar_t* dst, const acc_t* init, const PixelTaps<scalar_t, acc_
       for (int64_t v = 0; v < L; ++v) a[v] += w[v] * static_cast<acc_t>(s[v]);
     }
     for (int64_t v = 0; v < L; ++v) dst[c0 + v] = static_cast<scalar_t>(a[v]);
-  });
-}
-
-// Weight [C, 1, K, K] as opmath [K*K][C], so NHWC blocks read one tap's
-// weights for consecutive channels.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-std::vector<acc_t> taps_by_channel(const scalar_t* w, const DepthwiseProblem& p) {
-  const int64_t KK = p.K * p.K;
-  std::vector<acc_t> wt(KK * p.C);
-  for (int64_t c = 0; c < p.C; ++c) {
-    for (int64_t t = 0; t < KK; ++t) wt[t * p.C + c] = static_cast<acc_t>(w[c * KK + t]);
-  }
-  return wt;
+  };
+  const LaneBlocks blocks{C};
+  for (int64_t b = 0; b < blocks.count(); ++b) blocks.run(b, block);
 }
 
 // One task per block of kRowsPerTask output rows of one plane. Output row r
@@ -204,7 +184,8 @@ void forward_nchw(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t K = p.K, pitch = padded_pitch(p.W, p.pad, S);
   const int64_t blocks = (p.Ho + kRowsPerTask - 1) / kRowsPerTask;
-  at::parallel_for(0, p.N * p.C * blocks, grain_for(kRowsPerTask * p.Wo * K * K), [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(kRowsPerTask * p.Wo * K * K);
+  at::parallel_for(0, p.N * p.C * blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t plane = task / blocks, c = plane % p.C;
@@ -214,38 +195,12 @@ void forward_nchw(const scalar_t* in, const scalar_t* w, const scalar_t* bias, s
       PlaneTaps<acc_t> taps;
       for (int64_t i = 0; i < K; ++i) {
         for (int64_t j = 0; j < K; ++j) {
-          taps.add(static_cast<acc_t>(w[(c * K + i) * K + j]), i * pitch + j % S * (pitch / S) + j / S);
+          taps.add(static_cast<acc_t>(w[(c * K + i) * K + j]),
+                   i * pitch + j % S * (pitch / S) + j / S);
         }
       }
       conv_rows(out + (plane * p.Ho + y0) * p.Wo, p.Wo, 1, ny, p.Wo,
                 bias ? static_cast<acc_t>(bias[c]) : acc_t(0), rows.data(), S * pitch, taps);
-    }
-  });
-}
-
-template <typename scalar_t>
-void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, scalar_t* out,
-                  const DepthwiseProblem& p) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const std::vector<acc_t> wt = taps_by_channel(w, p);
-  std::vector<acc_t> init(p.C, acc_t(0));
-  if (bias) std::copy(bias, bias + p.C, init.begin());
-  const int64_t C = p.C, K = p.K, s = p.stride;
-  at::parallel_for(0, p.N * p.Ho, grain_for(p.Wo * C * K * K), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = row / p.Ho, y = row % p.Ho;
-      const Range taps_i = valid_range(y * s - p.pad, 1, K, p.H);
-      for (int64_t x = 0; x < p.Wo; ++x) {
-        const Range taps_j = valid_range(x * s - p.pad, 1, K, p.W);
-        PixelTaps<scalar_t, acc_t> taps;
-        for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-          for (int64_t j = taps_j.lo; j < taps_j.hi; ++j) {
-            taps.add(wt.data() + (i * K + j) * C,
-                     in + ((n * p.H + y * s + i - p.pad) * p.W + x * s + j - p.pad) * C);
-          }
-        }
-        conv_pixel(out + (row * p.Wo + x) * C, init.data(), taps, C);
-      }
     }
   });
 }
@@ -262,13 +217,15 @@ void backward_input_nchw(const scalar_t* go, const scalar_t* w, scalar_t* gi,
   const int64_t K = p.K, pad = p.pad, pitch = padded_pitch(p.Wo, pad, 1);
   const int64_t sub_rows = (p.H + S - 1) / S;
   const int64_t blocks = (sub_rows + kRowsPerTask - 1) / kRowsPerTask;
-  at::parallel_for(0, p.N * p.C * blocks, grain_for(kRowsPerTask * p.W * K * K / S), [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(kRowsPerTask * p.W * K * K / S);
+  at::parallel_for(0, p.N * p.C * blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t plane = task / blocks, c = plane % p.C;
       const int64_t m0 = task % blocks * kRowsPerTask, nm = std::min(kRowsPerTask, sub_rows - m0);
       // grad_output rows [m0 - pad, m0 + nm + pad): padded row r + dy + pad is row m0 + r + dy.
-      copy_padded_rows<1>(rows, go + plane * p.Ho * p.Wo, p.Ho, p.Wo, m0 - pad, nm + 2 * pad, pad, pitch);
+      copy_padded_rows<1>(rows, go + plane * p.Ho * p.Wo, p.Ho, p.Wo, m0 - pad, nm + 2 * pad, pad,
+                          pitch);
       for (int64_t rq = 0; rq < S; ++rq) {
         for (int64_t rx = 0; rx < S; ++rx) {
           PlaneTaps<acc_t> taps;
@@ -289,72 +246,118 @@ void backward_input_nchw(const scalar_t* go, const scalar_t* w, scalar_t* gi,
   });
 }
 
-template <typename scalar_t>
-void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
-                         const DepthwiseProblem& p) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const std::vector<acc_t> wt = taps_by_channel(w, p);
-  const std::vector<acc_t> zeros(p.C, acc_t(0));
-  const int64_t C = p.C, K = p.K, s = p.stride;
-  at::parallel_for(0, p.N * p.H, grain_for(p.W * C * K * K / (s * s)), [&](int64_t begin, int64_t end) {
+// One NHWC pass over dst [N, rows, cols, C]: pixel (q, x) gathers each tap
+// (i, j) whose source pixel (source(q, i, src_rows), source(x, j, src_cols))
+// exists (>= 0) in src [N, src_rows, src_cols, C]. The forward and grad_input
+// differ only in `source`.
+template <typename scalar_t, typename acc_t, typename Source>
+void conv_nhwc(scalar_t* dst, int64_t rows, int64_t cols, const scalar_t* src, int64_t src_rows,
+               int64_t src_cols, const scalar_t* w, const acc_t* init, const DepthwiseProblem& p,
+               Source source) {
+  const int64_t C = p.C, K = p.K;
+  // Weight [C, 1, K, K] as [K*K][C], so a block reads one tap's weights for
+  // consecutive channels.
+  std::vector<acc_t> wt(K * K * C);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t t = 0; t < K * K; ++t) wt[t * C + c] = static_cast<acc_t>(w[c * K * K + t]);
+  }
+  at::parallel_for(0, p.N * rows, grain_for(cols * C * K * K), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = row / p.H, q = row % p.H;
-      for (int64_t ix = 0; ix < p.W; ++ix) {
+      const int64_t n = row / rows, q = row % rows;
+      for (int64_t x = 0; x < cols; ++x) {
         PixelTaps<scalar_t, acc_t> taps;
         for (int64_t i = 0; i < K; ++i) {
-          const int64_t ty = q + p.pad - i;
-          if (ty < 0 || ty % s != 0 || ty / s >= p.Ho) continue;
+          const int64_t sy = source(q, i, src_rows);
+          if (sy < 0) continue;
           for (int64_t j = 0; j < K; ++j) {
-            const int64_t tx = ix + p.pad - j;
-            if (tx < 0 || tx % s != 0 || tx / s >= p.Wo) continue;
-            taps.add(wt.data() + (i * K + j) * C, go + ((n * p.Ho + ty / s) * p.Wo + tx / s) * C);
+            const int64_t sx = source(x, j, src_cols);
+            if (sx < 0) continue;
+            taps.add(wt.data() + (i * K + j) * C, src + ((n * src_rows + sy) * src_cols + sx) * C);
           }
         }
-        conv_pixel(gi + (row * p.W + ix) * C, zeros.data(), taps, C);
+        conv_pixel(dst + (row * cols + x) * C, init, taps, C);
       }
     }
   });
 }
 
-// One task per channel. Products are summed per output column over all
-// (n, y) rows, then over the columns, in a fixed order: bitwise
-// deterministic whatever the thread count.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void forward_nhwc(const scalar_t* in, const scalar_t* w, const scalar_t* bias, scalar_t* out,
+                  const DepthwiseProblem& p) {
+  std::vector<acc_t> init(p.C, acc_t(0));
+  if (bias) std::copy(bias, bias + p.C, init.begin());
+  conv_nhwc(out, p.Ho, p.Wo, in, p.H, p.W, w, init.data(), p,
+            [s = p.stride, pad = p.pad](int64_t t, int64_t k, int64_t n) {
+              const int64_t u = t * s + k - pad;
+              return u >= 0 && u < n ? u : int64_t{-1};
+            });
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void backward_input_nhwc(const scalar_t* go, const scalar_t* w, scalar_t* gi,
+                         const DepthwiseProblem& p) {
+  const std::vector<acc_t> zeros(p.C, acc_t(0));
+  conv_nhwc(gi, p.H, p.W, go, p.Ho, p.Wo, w, zeros.data(), p,
+            [s = p.stride, pad = p.pad](int64_t t, int64_t k, int64_t n) {
+              const int64_t u = t + pad - k;
+              return u >= 0 && u % s == 0 && u / s < n ? u / s : int64_t{-1};
+            });
+}
+
+// sum over r < rows, x < cols of g[r * cols + x] * src[r * src_row + x]:
+// register partial sums in blocks of kLanes, then kNarrowLanes, then one
+// lane for what is left of each row, added across at the end: a fixed order.
+template <typename acc_t>
+acc_t lane_sum(const acc_t* g, const acc_t* src, int64_t src_row, int64_t rows, int64_t cols) {
+  acc_t wide[kLanes] = {}, narrow[kNarrowLanes] = {}, sum = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* gr = g + r * cols;
+    const acc_t* sr = src + r * src_row;
+    int64_t x = 0;
+    for (; x + kLanes <= cols; x += kLanes) {
+      for (int64_t v = 0; v < kLanes; ++v) wide[v] += gr[x + v] * sr[x + v];
+    }
+    for (; x + kNarrowLanes <= cols; x += kNarrowLanes) {
+      for (int64_t v = 0; v < kNarrowLanes; ++v) narrow[v] += gr[x + v] * sr[x + v];
+    }
+    for (; x < cols; ++x) sum += gr[x] * sr[x];
+  }
+  for (int64_t v = 0; v < kLanes; ++v) sum += wide[v];
+  for (int64_t v = 0; v < kNarrowLanes; ++v) sum += narrow[v];
+  return sum;
+}
+
+// One task per channel, so each weight gradient is reduced by one thread in
+// a fixed order (bitwise deterministic whatever the thread count): per
+// image and block of kRowsPerTask output rows, one lane_sum per tap.
 template <typename scalar_t, int64_t S>
 void backward_weight_nchw(const scalar_t* go, const scalar_t* in, scalar_t* gw, scalar_t* gb,
                           const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t K = p.K, KK = K * K, Wo = p.Wo;
+  const int64_t K = p.K, KK = K * K, pitch = padded_pitch(p.W, p.pad, S);
+  const std::vector<acc_t> ones(p.Wo, acc_t(1));  // the bias "input"
   at::parallel_for(0, p.C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> columns((KK + 1) * Wo);  // one row per tap, then one for the bias
+    std::vector<acc_t> rows, g, total(KK + 1);
     for (int64_t c = begin; c < end; ++c) {
-      std::fill(columns.begin(), columns.end(), acc_t(0));
+      std::fill(total.begin(), total.end(), acc_t(0));
       for (int64_t n = 0; n < p.N; ++n) {
         const int64_t plane = n * p.C + c;
-        for (int64_t y = 0; y < p.Ho; ++y) {
-          const scalar_t* go_row = go + (plane * p.Ho + y) * Wo;
-          acc_t* bias_columns = columns.data() + KK * Wo;
-          for (int64_t x = 0; x < Wo; ++x) bias_columns[x] += static_cast<acc_t>(go_row[x]);
-          const Range taps_i = valid_range(y * S - p.pad, 1, K, p.H);
-          for (int64_t i = taps_i.lo; i < taps_i.hi; ++i) {
-            const scalar_t* in_row = in + (plane * p.H + y * S + i - p.pad) * p.W;
+        for (int64_t y0 = 0; y0 < p.Ho; y0 += kRowsPerTask) {
+          const int64_t ny = std::min(kRowsPerTask, p.Ho - y0);
+          copy_padded_rows<S>(rows, in + plane * p.H * p.W, p.H, p.W, y0 * S - p.pad,
+                              (ny - 1) * S + K, p.pad, pitch);
+          copy_padded_rows<1>(g, go + plane * p.Ho * p.Wo, p.Ho, p.Wo, y0, ny, 0, p.Wo);
+          for (int64_t i = 0; i < K; ++i) {
             for (int64_t j = 0; j < K; ++j) {
-              const Range xs = valid_range(j - p.pad, S, Wo, p.W);
-              acc_t* col = columns.data() + (i * K + j) * Wo;
-              const scalar_t* src = in_row + (j - p.pad);
-              for (int64_t x = xs.lo; x < xs.hi; ++x) {
-                col[x] += static_cast<acc_t>(go_row[x]) * static_cast<acc_t>(src[x * S]);
-              }
+              const acc_t* src = rows.data() + i * pitch + j % S * (pitch / S) + j / S;
+              total[i * K + j] += lane_sum(g.data(), src, S * pitch, ny, p.Wo);
             }
           }
+          total[KK] += lane_sum(g.data(), ones.data(), 0, ny, p.Wo);
         }
       }
-      const auto column_sum = [&](int64_t t) {
-        acc_t sum = 0;
-        for (int64_t x = 0; x < Wo; ++x) sum += columns[t * Wo + x];
-        return static_cast<scalar_t>(sum);
-      };
-      for (int64_t t = 0; t < KK; ++t) gw[c * KK + t] = column_sum(t);
-      gb[c] = column_sum(KK);
+      for (int64_t t = 0; t < KK; ++t) gw[c * KK + t] = static_cast<scalar_t>(total[t]);
+      gb[c] = static_cast<scalar_t>(total[KK]);
     }
   });
 }
@@ -367,7 +370,7 @@ void backward_weight_nhwc(const scalar_t* go, const scalar_t* in, scalar_t* gw, 
                           const DepthwiseProblem& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = p.C, K = p.K, KK = K * K, s = p.stride;
-  const LaneBlocks blocks(C);
+  const LaneBlocks blocks{C};
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> total((KK + 1) * kLanes);  // [tap or bias][lane]
     for (int64_t b = begin; b < end; ++b) {
@@ -400,7 +403,9 @@ void backward_weight_nhwc(const scalar_t* go, const scalar_t* in, scalar_t* gw, 
           }
         }
         for (int64_t v = 0; v < L; ++v) {
-          for (int64_t t = 0; t < KK; ++t) gw[(c0 + v) * KK + t] = static_cast<scalar_t>(total[t * L + v]);
+          for (int64_t t = 0; t < KK; ++t) {
+            gw[(c0 + v) * KK + t] = static_cast<scalar_t>(total[t * L + v]);
+          }
           gb[c0 + v] = static_cast<scalar_t>(total[KK * L + v]);
         }
       });
@@ -413,56 +418,60 @@ void backward_weight_nhwc(const scalar_t* go, const scalar_t* in, scalar_t* gw, 
 at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
   at::Tensor out = new_output({p.N, p.C, p.Ho, p.Wo}, input.options(), p.memory_format());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
-                                  "lumenbridge_depthwise_forward_cpu", [&] {
-    const scalar_t* in = input.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    if (p.layout == Layout::NHWC) {
-      forward_nhwc(in, w, b, o, p);
-    } else {
-      with_stride(p.stride, [&](auto S) { forward_nchw<scalar_t, S>(in, w, b, o, p); });
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
+      "lumenbridge_depthwise_forward_cpu", [&] {
+        const scalar_t* in = input.const_data_ptr<scalar_t>();
+        const scalar_t* w = weight.const_data_ptr<scalar_t>();
+        const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* o = out.mutable_data_ptr<scalar_t>();
+        if (p.layout == Layout::NHWC) {
+          forward_nhwc(in, w, b, o, p);
+        } else {
+          with_stride(p.stride, [&](auto S) { forward_nchw<scalar_t, S>(in, w, b, o, p); });
+        }
+      });
   return out;
 }
 
 at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
                                     const DepthwiseProblem& p) {
   at::Tensor gi = new_output({p.N, p.C, p.H, p.W}, grad_output.options(), p.memory_format());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16,
-                                  grad_output.scalar_type(), "lumenbridge_depthwise_backward_input_cpu", [&] {
-    const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    scalar_t* g = gi.mutable_data_ptr<scalar_t>();
-    if (p.layout == Layout::NHWC) {
-      backward_input_nhwc(go, w, g, p);
-    } else {
-      with_stride(p.stride, [&](auto S) { backward_input_nchw<scalar_t, S>(go, w, g, p); });
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::Half, at::ScalarType::BFloat16, grad_output.scalar_type(),
+      "lumenbridge_depthwise_backward_input_cpu", [&] {
+        const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
+        const scalar_t* w = weight.const_data_ptr<scalar_t>();
+        scalar_t* g = gi.mutable_data_ptr<scalar_t>();
+        if (p.layout == Layout::NHWC) {
+          backward_input_nhwc(go, w, g, p);
+        } else {
+          with_stride(p.stride, [&](auto S) { backward_input_nchw<scalar_t, S>(go, w, g, p); });
+        }
+      });
   return gi;
 }
 
 std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
                                                              const at::Tensor& input,
                                                              const DepthwiseProblem& p) {
-  // The weight is always contiguous [C, 1, K, K], whatever the activation layout.
+  // The weight is contiguous [C, 1, K, K] whatever the activation layout.
   at::Tensor gw = new_output({p.C, 1, p.K, p.K}, input.options(), at::MemoryFormat::Contiguous);
   at::Tensor gb = new_output({p.C}, input.options(), at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
-                                  "lumenbridge_depthwise_backward_weight_cpu", [&] {
-    const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
-    const scalar_t* in = input.const_data_ptr<scalar_t>();
-    scalar_t* w = gw.mutable_data_ptr<scalar_t>();
-    scalar_t* b = gb.mutable_data_ptr<scalar_t>();
-    if (p.layout == Layout::NHWC) {
-      backward_weight_nhwc(go, in, w, b, p);
-    } else {
-      with_stride(p.stride, [&](auto S) { backward_weight_nchw<scalar_t, S>(go, in, w, b, p); });
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::Half, at::ScalarType::BFloat16, input.scalar_type(),
+      "lumenbridge_depthwise_backward_weight_cpu", [&] {
+        const scalar_t* go = grad_output.const_data_ptr<scalar_t>();
+        const scalar_t* in = input.const_data_ptr<scalar_t>();
+        scalar_t* w = gw.mutable_data_ptr<scalar_t>();
+        scalar_t* b = gb.mutable_data_ptr<scalar_t>();
+        if (p.layout == Layout::NHWC) {
+          backward_weight_nhwc(go, in, w, b, p);
+        } else {
+          with_stride(p.stride,
+                      [&](auto S) { backward_weight_nchw<scalar_t, S>(go, in, w, b, p); });
+        }
+      });
   return {gw, gb};
 }
 

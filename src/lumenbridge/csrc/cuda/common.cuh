@@ -9,6 +9,8 @@
 
 #include <type_traits>
 
+#include "../gateway.h"
+
 namespace lumenbridge {
 namespace cuda {
 
@@ -64,7 +66,7 @@ void dispatch_kernel_size(int64_t k, Body&& body) {
     case 3: body(std::integral_constant<int, 3>{}); break;
     case 5: body(std::integral_constant<int, 5>{}); break;
     case 7: body(std::integral_constant<int, 7>{}); break;
-    default: TORCH_CHECK(false, "LumenBridge: internal error: unsupported kernel size ", k);
+    default: TORCH_CHECK(false, "LumenBridge: internal error: unsupported kernel size ", text(k));
   }
 }
 
@@ -73,7 +75,7 @@ void dispatch_stride(int64_t s, Body&& body) {
   switch (s) {
     case 1: body(std::integral_constant<int, 1>{}); break;
     case 2: body(std::integral_constant<int, 2>{}); break;
-    default: TORCH_CHECK(false, "LumenBridge: internal error: unsupported stride ", s);
+    default: TORCH_CHECK(false, "LumenBridge: internal error: unsupported stride ", text(s));
   }
 }
 
@@ -109,13 +111,13 @@ constexpr int64_t kMaxGridYZ = 65535;
 
 inline unsigned grid_x(int64_t blocks) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
-              "LumenBridge: problem too large for one CUDA launch (", blocks, " blocks)");
+              "LumenBridge: problem too large for one CUDA launch (", text(blocks), " blocks)");
   return static_cast<unsigned>(blocks);
 }
 
 inline unsigned grid_y(int64_t extent, const char* what) {
-  TORCH_CHECK(extent <= kMaxGridYZ, "LumenBridge: the CUDA kernels cover at most ", kMaxGridYZ,
-              " ", what, ", got ", extent);
+  TORCH_CHECK(extent <= kMaxGridYZ, "LumenBridge: the CUDA kernels cover at most ",
+              text(kMaxGridYZ), " ", what, ", got ", text(extent));
   return static_cast<unsigned>(extent);
 }
 

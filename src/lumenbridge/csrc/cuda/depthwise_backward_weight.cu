@@ -238,7 +238,7 @@ WorkSplit split_work(const DepthwiseProblem& p) {
   split.tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
   split.items = p.N * split.tiles_x * split.tiles_y;
   TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
-              "LumenBridge: batch too large for one weight-gradient launch (", split.items,
+              "LumenBridge: batch too large for one weight-gradient launch (", text(split.items),
               " tiles)");
   split.chunks = ceil_div64(split.items, kTilesPerBlock);
   return split;

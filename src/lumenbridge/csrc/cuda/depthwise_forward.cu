@@ -33,8 +33,13 @@ struct NchwTile {
   using Plane = PlaneTile<kInH, kInW, VEC, S == 2, TX == 16>;
 };
 
+// Register caps for the 3 x 3 kernels, so registers do not limit occupancy
+// below what shared memory allows (benchmarks/NOTES.md): 8 blocks of 256
+// threads for stride 1, 6 for the larger stride-2 tiles, 4 for NHWC's
+// per-thread channel vectors. Larger kernels keep their taps in registers
+// uncapped rather than spill.
 template <typename T, int K, int S, int VEC, int TX, int ROWS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, K == 3 ? (S == 1 ? 8 : 6) : 1)
     depthwise_forward_nchw_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
                                   int H, int W, int Ho, int Wo, int tiles_x) {
@@ -107,7 +112,7 @@ struct NhwcTile {
 };
 
 template <typename T, int K, int S, int VEC>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, K == 3 ? 4 : 1)
     depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
                                   int H, int W, int Ho, int Wo, int slabs) {

@@ -1,17 +1,16 @@
 """Checkpoints: config.json plus model.safetensors in one directory. No pickle.
 
-Files are written to temporary names and renamed into place, so a failure
-midway never leaves a half-written checkpoint or damages an older one."""
+Each file is written to a temporary name, flushed and renamed into place, so a
+failure midway never leaves a half-written file or damages an older one."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import safetensors.torch
 
+from .atomic import write_atomically
 from .config import TokenizerConfig
 
 if TYPE_CHECKING:
@@ -21,25 +20,13 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def _replace_atomically(target: Path, write) -> None:
-    """Call write(temporary_path), then rename the result onto target."""
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, target)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
 def save(model: "VisualTokenizer", directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-    _replace_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path))
-    _replace_atomically(directory / CONFIG_NAME, lambda path: Path(path).write_text(model.config.to_json() + "\n"))
+    write_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path))
+    write_atomically(directory / CONFIG_NAME, lambda path: Path(path).write_text(model.config.to_json() + "\n"))
 
 
 def _require(path: Path) -> Path:

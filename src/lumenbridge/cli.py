@@ -6,10 +6,8 @@ import argparse
 import json
 import os
 import platform
-import stat
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -18,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 import lumenbridge
+from lumenbridge.atomic import write_atomically
 from lumenbridge.dispatch import BACKENDS
 from lumenbridge.images import ImageFileDataset, collate_images, discover_images, resolve_resize, sample_image_paths
 
@@ -108,29 +107,8 @@ def tokenize_files(
 
 
 def save_tokens_atomically(path: str, tokens: torch.Tensor, metadata: dict[str, str]) -> None:
-    """Writes the tokens file so that `path` only ever holds a complete file.
-
-    The data goes to a temporary file in the same directory (so the final
-    rename stays on one filesystem), is flushed to disk, and then replaces
-    `path` in one step; an existing output survives any failure before that.
-    """
-    directory, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    # safetensors creates its files owner-only; learn the usual mode (0666
-    # less the umask) from a file created the ordinary way, to restore it.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
-    os.close(descriptor)
-    try:
-        safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata)
-        os.chmod(temporary, mode)
-        with open(temporary, "r+b") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    """Writes the tokens file so that `path` only ever holds a complete file."""
+    write_atomically(path, lambda temporary: safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata))
 
 
 def best_device() -> torch.device:

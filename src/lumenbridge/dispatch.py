@@ -6,7 +6,9 @@ Two implementations exist:
   native     the C++ gateway and LumenBridge kernels (torch.ops.lumenbridge),
              on CPU and, where built, CUDA.
 The choice, in order: the `backend=` argument, the LUMENBRIDGE_BACKEND
-environment variable, then the default for the device type (DEFAULTS).
+environment variable, then the default for the device type and input layout
+(DEFAULTS). An explicit choice that cannot run is an error; a default that
+cannot run (extension not built) falls back to the reference.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ from . import extension, native, reference
 
 BACKEND_ENV = "LUMENBRIDGE_BACKEND"
 
-# Default per device type. On CPU the reference wins: PyTorch's oneDNN
-# depthwise convolution beats our portable C++ kernels (benchmarks/NOTES.md).
-DEFAULTS = {"cuda": "native", "cpu": "reference"}
+# Default per (device type, channels-last input), measured in
+# benchmarks/RESULTS.md. CUDA: the native kernels. CPU: the native kernels
+# beat PyTorch's oneDNN path for NCHW (tokenizer forward 88 vs 108 ms at
+# B=8) but not for channels-last (67 vs 63 ms), so that case stays on the
+# reference. Other devices (e.g. Apple MPS) always use the reference.
+DEFAULTS = {
+    ("cuda", False): "native",
+    ("cuda", True): "native",
+    ("cpu", False): "native",
+    ("cpu", True): "reference",
+}
 
 
 class Backend:
@@ -82,12 +92,15 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return None
 
 
-def select_backend(device: torch.device | str, requested: str | None = None) -> Backend:
-    """The backend that runs convolutions for tensors on `device`.
+@torch.compiler.assume_constant_result
+def resolve_backend_name(device_type: str, channels_last: bool = False, requested: str | None = None) -> str:
+    """The name of the backend for `device_type`: the one decision, made in
+    plain Python. torch.compile runs it once while tracing and keeps the
+    answer as a constant, so a compiled model keeps the backend it was
+    compiled with and the (possibly building) lookup never enters the graph.
 
     An explicit request (argument or environment) that cannot be honoured is
     an error; the automatic default falls back to the reference."""
-    device_type = torch.device(device).type
     explicit = requested or os.environ.get(BACKEND_ENV) or None
     if explicit is not None:
         if explicit not in BACKENDS:
@@ -95,11 +108,15 @@ def select_backend(device: torch.device | str, requested: str | None = None) -> 
         reason = unavailable_reason(explicit, device_type)
         if reason is not None:
             raise RuntimeError(f"backend {explicit!r} cannot run on {device_type}: {reason}")
-        return BACKENDS[explicit]
-    default = DEFAULTS.get(device_type, "reference")
-    if unavailable_reason(default, device_type) is None:
-        return BACKENDS[default]
-    return BACKENDS["reference"]
+        return explicit
+    default = DEFAULTS.get((device_type, channels_last), "reference")
+    return default if unavailable_reason(default, device_type) is None else "reference"
+
+
+def select_backend(device: torch.device | str, requested: str | None = None, *, channels_last: bool = False) -> Backend:
+    """The backend that runs convolutions for tensors on `device` (in
+    channels-last layout when `channels_last`)."""
+    return BACKENDS[resolve_backend_name(torch.device(device).type, channels_last, requested)]
 
 
 @dataclass(frozen=True)
@@ -113,7 +130,7 @@ class BackendReport:
     def __str__(self) -> str:
         lines = ["implementations:"]
         lines += [f"  {name:<10} {status}" for name, status in self.implementations.items()]
-        lines.append("selection (device -> backend):")
+        lines.append("selection (device and input layout -> backend):")
         lines += [f"  {device:<10} {name}" for device, name in self.selection.items()]
         if os.environ.get(BACKEND_ENV):
             lines.append(f"  ({BACKEND_ENV}={os.environ[BACKEND_ENV]} is set)")
@@ -141,8 +158,9 @@ def backends() -> BackendReport:
             implementations[name] = "unavailable: " + unavailable_reason(name, "cpu")
     selection = {}
     for device in devices:
-        try:
-            selection[device] = select_backend(device).name
-        except (ValueError, RuntimeError) as error:
-            selection[device] = f"error: {error}"
+        for layout, channels_last in (("NCHW", False), ("NHWC", True)):
+            try:
+                selection[f"{device} {layout}"] = select_backend(device, channels_last=channels_last).name
+            except (ValueError, RuntimeError) as error:
+                selection[f"{device} {layout}"] = f"error: {error}"
     return BackendReport(implementations, selection)

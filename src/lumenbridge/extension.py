@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ import torch
 log = logging.getLogger("lumenbridge")
 
 CSRC = Path(__file__).parent / "csrc"
+# at::parallel_for runs serially unless the extension itself is built with
+# OpenMP (as libtorch is on Linux); elsewhere the CPU kernels run on one thread.
+OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
 
 class BuildError(RuntimeError):
@@ -81,7 +85,8 @@ def _build(verbose: bool) -> BuildReport:
             name=name,
             sources=_sources(with_cuda),
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17"] + (["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else []),
+            extra_cflags=["-O3", "-std=c++17", *OPENMP_FLAGS] + (["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else []),
+            extra_ldflags=OPENMP_FLAGS,
             extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLUMENBRIDGE_WITH_CUDA"],
             with_cuda=with_cuda,
             is_python_module=False,

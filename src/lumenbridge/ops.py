@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import select_backend
+from .dispatch import Backend, select_backend
+
+
+def _backend_for(input: torch.Tensor, backend: str | None) -> Backend:
+    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
+    return select_backend(input.device, backend, channels_last=channels_last)
 
 
 def depthwise_conv2d(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: int = 1, *, backend: str | None = None
 ) -> torch.Tensor:
     """Depthwise K x K conv with zero padding K // 2: input [N, C, H, W], weight [C, 1, K, K]."""
-    return select_backend(input.device, backend).depthwise_conv2d(input, weight, bias, stride)
+    return _backend_for(input, backend).depthwise_conv2d(input, weight, bias, stride)
 
 
 def pointwise_conv2d(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
 ) -> torch.Tensor:
     """1 x 1 conv: input [N, C_in, H, W], weight [C_out, C_in, 1, 1]."""
-    return select_backend(input.device, backend).pointwise_conv2d(input, weight, bias)
+    return _backend_for(input, backend).pointwise_conv2d(input, weight, bias)
 
 
 def separable_conv(
@@ -38,4 +43,4 @@ def separable_conv(
 ) -> torch.Tensor:
     """One tokenizer stage's convolutions: depthwise (stride) then pointwise.
     Backends may fuse the two; the result is the same either way."""
-    return select_backend(input.device, backend).separable_conv(input, dw_weight, dw_bias, pw_weight, pw_bias, stride)
+    return _backend_for(input, backend).separable_conv(input, dw_weight, dw_bias, pw_weight, pw_bias, stride)

@@ -1,0 +1,106 @@
+"""CPU benchmark: LumenBridge's C++ kernels against the PyTorch reference
+(oneDNN through F.conv2d) and torch.compile of the reference, in one run.
+It decides dispatch.DEFAULTS["cpu"].
+
+Cases: the depthwise convolutions of lumenbridge-base's four stages at B=8
+(forward, and forward + all gradients), and the whole tokenizer's forward,
+each in NCHW and channels-last.
+
+Usage: python benchmarks/bench_cpu.py [--out DIR]   (prints a Markdown table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lumenbridge import VisualTokenizer, native, reference
+
+BATCH = 8
+# (channels, input side) of lumenbridge-base's depthwise convs (all 3x3, stride 2) at 224.
+STAGES = [(3, 224), (96, 112), (192, 56), (384, 28)]
+FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
+
+
+def median_ms(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def depthwise_rows():
+    rows = []
+    for channels, side in STAGES:
+        for layout, fmt in FORMATS.items():
+            x = torch.randn(BATCH, channels, side, side).contiguous(memory_format=fmt)
+            w = torch.randn(channels, 1, 3, 3)
+            b = torch.randn(channels)
+            impls = {
+                "native": lambda x, w, b: torch.ops.lumenbridge.depthwise_conv2d(x, w, b, 2),
+                "reference": lambda x, w, b: reference.depthwise_conv2d(x, w, b, 2),
+            }
+            impls["compile"] = torch.compile(impls["reference"], dynamic=False)
+            for name, fn in impls.items():
+                xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))
+
+                def train_step(fn=fn, xg=xg, wg=wg, bg=bg):
+                    return torch.autograd.grad(fn(xg, wg, bg).sum(), (xg, wg, bg))
+
+                with torch.no_grad():
+                    forward = median_ms(lambda fn=fn: fn(x, w, b))
+                rows.append(dict(case=f"dw C={channels} {side}² s2", layout=layout, impl=name, forward=forward, train=median_ms(train_step)))
+    return rows
+
+
+def model_rows():
+    rows = []
+    images = torch.randn(BATCH, 3, 224, 224)
+    for layout, fmt in FORMATS.items():
+        x = images.contiguous(memory_format=fmt)
+        for name in ("native", "reference"):
+            model = VisualTokenizer(backend=name, seed=0).eval()
+            with torch.no_grad():
+                forward = median_ms(lambda: model(x), repeats=5)
+            rows.append(dict(case="tokenizer 224²", layout=layout, impl=name, forward=forward, train=float("nan")))
+    return rows
+
+
+def markdown(rows) -> str:
+    lines = [
+        f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
+        f"Python {platform.python_version()}; {datetime.date.today().isoformat()}; B={BATCH}. Median ms.",
+        "",
+        "| case | layout | impl | forward ms | forward + backward ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        train = "" if r["train"] != r["train"] else f"{r['train']:.2f}"
+        lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {r['forward']:.2f} | {train} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not native.ready():
+        raise SystemExit("the LumenBridge extension did not build")
+    table = markdown(depthwise_rows() + model_rows())
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cpu.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Backend choice (argument, environment, defaults), the report, and the
+model on the native backend against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import lumenbridge
+from lumenbridge import BACKEND_ENV, TokenizerConfig, VisualTokenizer, dispatch, ops
+
+from conftest import device_params
+
+SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16, 16, 32))
+
+
+def test_defaults_per_device_and_layout(native_ops, monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert lumenbridge.select_backend("cpu").name == dispatch.DEFAULTS[("cpu", False)]
+    assert lumenbridge.select_backend("cpu", channels_last=True).name == dispatch.DEFAULTS[("cpu", True)]
+    assert lumenbridge.select_backend("meta").name == "reference"  # no native kernels there
+
+
+def test_argument_overrides_environment(native_ops, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "native")
+    assert lumenbridge.select_backend("cpu").name == "native"
+    assert lumenbridge.select_backend("cpu", "reference").name == "reference"
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    assert lumenbridge.select_backend("cpu").name == "reference"
+
+
+def test_unknown_backend_is_an_error(monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend 'triton'"):
+        lumenbridge.select_backend("cpu", "triton")
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        lumenbridge.select_backend("cpu")
+
+
+def test_explicit_backend_that_cannot_run_is_an_error():
+    with pytest.raises(RuntimeError, match="backend 'native' cannot run on meta"):
+        lumenbridge.select_backend("meta", "native")
+
+
+def test_unbuildable_extension_falls_back_with_one_reason(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(dispatch.native, "ready", lambda: False)
+    monkeypatch.setattr(dispatch.extension, "load_error", lambda: "no compiler")
+    assert lumenbridge.select_backend("cpu").name == "reference"
+    assert dispatch.unavailable_reason("native", "cpu") == "the native extension is not built: no compiler"
+    with pytest.raises(RuntimeError, match="no compiler"):
+        lumenbridge.select_backend("cpu", "native")
+
+
+def test_report_lists_implementations_and_choices(native_ops):
+    report = lumenbridge.backends()
+    assert report.implementations["reference"].startswith("available on cpu")
+    assert report.implementations["native"].startswith("available on cpu")
+    assert report.selection["cpu NCHW"] == dispatch.DEFAULTS[("cpu", False)]
+    text = str(report)
+    assert "reference" in text and "native" in text and "cpu NHWC" in text
+
+
+def test_state_dict_keys_do_not_depend_on_the_backend(native_ops):
+    keys = [list(VisualTokenizer(SMALL, backend=name).state_dict()) for name in ("reference", "native")]
+    assert keys[0] == keys[1]
+
+
+def test_separable_conv_composes_depthwise_and_pointwise(native_ops):
+    x = torch.randn(2, 8, 15, 12)
+    dw, dwb = torch.randn(8, 1, 3, 3), torch.randn(8)
+    pw, pwb = torch.randn(16, 8, 1, 1), torch.randn(16)
+    for name in ("reference", "native"):
+        composed = ops.pointwise_conv2d(ops.depthwise_conv2d(x, dw, dwb, 2, backend=name), pw, pwb, backend=name)
+        torch.testing.assert_close(ops.separable_conv(x, dw, dwb, pw, pwb, 2, backend=name), composed)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_native_tokens_and_gradients_match_the_reference(native_ops, device, memory_format):
+    images = torch.randint(0, 256, (2, 3, 48, 64), dtype=torch.uint8, device=device).contiguous(memory_format=memory_format)
+    models = [VisualTokenizer(SMALL, backend=name, seed=0).to(device) for name in ("reference", "native")]
+    tokens = [model(images) for model in models]
+    torch.testing.assert_close(tokens[1], tokens[0], rtol=1e-4, atol=1e-4)
+    target = torch.randn_like(tokens[0])
+    for model, out in zip(models, tokens):
+        (out * target).sum().backward()
+    for (name, ref), nat in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(nat.grad, ref.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_model_compiles_with_fullgraph_on_the_native_backend(native_ops, device):
+    model = VisualTokenizer(SMALL, backend="native", seed=0).to(device).eval()
+    images = torch.randn(2, 3, 32, 48, device=device)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(images), model(images), rtol=1e-5, atol=1e-5)

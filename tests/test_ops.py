@@ -224,6 +224,8 @@ def bad_calls(device):
         ("non-dense input", lambda: ops.depthwise_conv2d(x[..., ::2], w, None, 1), "input must be contiguous NCHW or channels-last"),
         ("non-contiguous weight", lambda: ops.depthwise_conv2d(x, w.transpose(2, 3), None, 1), "weight must be contiguous"),
         ("bias shape", lambda: ops.depthwise_conv2d(x, w, b[:3], 1), r"bias must have shape \[4\]"),
+        ("non-contiguous bias", lambda: ops.depthwise_conv2d(x, w, torch.randn(8, device=device)[::2], 1), "bias must be contiguous"),
+        ("grad_output dtype", lambda: ops.depthwise_conv2d_backward_weight(g.half(), x, 3, 2), "grad_output has dtype Half"),
         ("grad_output shape", lambda: ops.depthwise_conv2d_backward_input(g, w, 1, [8, 8]), r"grad_output has shape \[2, 4, 4, 4\] but expected \[2, 4, 8, 8\]"),
         ("input_size", lambda: ops.depthwise_conv2d_backward_input(g, w, 2, [0, 8]), "input_size must be"),
         (

@@ -71,6 +71,14 @@ def _sources(with_cuda: bool) -> list[str]:
     return [str(s) for s in sources]
 
 
+def _is_cached(name: str) -> bool:
+    """Whether a library of this name is already built (sources may still have changed)."""
+    from torch.utils import cpp_extension
+
+    build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    return (build_directory / f"{name}.so").exists()
+
+
 def _build(verbose: bool) -> BuildReport:
     from torch.utils import cpp_extension
 
@@ -79,6 +87,8 @@ def _build(verbose: bool) -> BuildReport:
     # another torch must never be loaded.
     flavour = "cuda" if with_cuda else "cpu"
     name = "lumenbridge_" + re.sub(r"\W", "_", f"{torch.__version__}_{flavour}")
+    if not _is_cached(name):
+        log.warning("LumenBridge: compiling the native extension (first use only; cached afterwards)")
     started = time.perf_counter()
     try:
         library = cpp_extension.load(

@@ -1,0 +1,44 @@
+"""Building the extension: a failed build degrades to the reference with one
+log line and never raises from the automatic path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import lumenbridge
+from lumenbridge import extension
+
+
+def failing_load(**kwargs):
+    raise RuntimeError("Error building extension 'lumenbridge': c++: command not found")
+
+
+def test_failed_build_raises_build_error_naming_the_cause(monkeypatch):
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
+    with pytest.raises(extension.BuildError, match="c\\+\\+: command not found"):
+        extension._build(verbose=False)
+
+
+def test_failed_build_falls_back_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
+    monkeypatch.setattr(extension, "_state", None)
+    monkeypatch.setattr(extension, "_is_cached", lambda name: True)
+    with caplog.at_level(logging.WARNING, logger="lumenbridge"):
+        assert extension.load() is False
+        assert extension.load() is False  # the failure is remembered, not retried or logged again
+    fallbacks = [r for r in caplog.records if "using the PyTorch reference" in r.getMessage()]
+    assert len(fallbacks) == 1
+    assert "command not found" in extension.load_error()
+    assert extension.has_cuda_kernels() is False
+    monkeypatch.delenv(lumenbridge.BACKEND_ENV, raising=False)
+    assert lumenbridge.select_backend("cpu").name == "reference"
+
+
+def test_build_report_names_what_was_built(native_ops):
+    report = extension.build(verbose=False)
+    assert "CPU" in str(report) and report.library
+    assert report.with_cuda == extension.has_cuda_kernels()
+    if report.with_cuda:
+        assert report.cuda_archs and all("." in arch for arch in report.cuda_archs)

@@ -35,9 +35,15 @@ def test_round_trip_gives_identical_tokens(saved):
 def test_checkpoint_holds_no_pickle(saved):
     _, directory = saved
     json.loads((directory / "config.json").read_text())
+    # The safetensors layout: an 8-byte little-endian header length, a JSON
+    # header describing every tensor, then raw bytes. A pickle or a
+    # torch.save zip archive would fail to parse here.
     raw = (directory / "model.safetensors").read_bytes()
-    assert not raw.startswith(b"\x80")  # pickle protocol marker
-    assert set(safetensors.torch.load_file(directory / "model.safetensors")) == set(VisualTokenizer(SMALL).state_dict())
+    header_length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_length])
+    tensors = {name for name in header if name != "__metadata__"}
+    assert tensors == set(VisualTokenizer(SMALL).state_dict())
+    assert all(set(header[name]) == {"dtype", "shape", "data_offsets"} for name in tensors)
 
 
 def test_save_replaces_an_older_checkpoint(saved, tmp_path):

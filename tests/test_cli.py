@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 from PIL import Image
@@ -162,6 +163,36 @@ def test_a_crash_while_writing_keeps_the_previous_output(tmp_path, good_images, 
     assert "No space left on device" in capsys.readouterr().err
     assert out.read_bytes() == b"previous good output"
     assert sorted(os.listdir(tmp_path)) == ["images", "tokens.safetensors"]
+
+
+def test_a_safetensors_write_error_exits_2_and_keeps_the_previous_output(tmp_path, good_images, monkeypatch, capsys):
+    out = tmp_path / "tokens.safetensors"
+    out.write_bytes(b"previous good output")
+
+    def refuse(tensors, filename, metadata=None):
+        raise safetensors.SafetensorError("Error while serializing: disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", refuse)
+    assert cli.main(["tokenize", *good_images, "--out", str(out), *FAST]) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert out.read_bytes() == b"previous good output"
+
+
+def test_an_unexpected_error_exits_3_not_1(tmp_path, good_images, monkeypatch, capsys):
+    out = tmp_path / "tokens.safetensors"
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(cli, "tokenize_files", crash)
+    assert cli.main(["tokenize", *good_images, "--out", str(out), *FAST]) == 3
+    assert "CUDA out of memory" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_device_without_kernels_is_a_usage_error(tmp_path, good_images, capsys):
+    assert cli.main(["tokenize", *good_images, "--out", str(tmp_path / "t.safetensors"), *SMALL_MODEL, "--device", "meta"]) == 2
+    assert "choose cpu, cuda" in capsys.readouterr().err
 
 
 def test_a_successful_run_replaces_the_previous_output(tmp_path, good_images):

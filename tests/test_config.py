@@ -56,3 +56,24 @@ def test_unknown_preset_lists_the_presets():
 def test_invalid_configs_are_rejected_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
         TokenizerConfig(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"kernel_size": 3.0}, "kernel_size must be an int"),
+        ({"image_size": True}, "image_size must be an int"),
+        ({"strides": (2.0, 2, 2, 2)}, "strides must hold ints"),
+        ({"stage_widths": (96, 192, 384, 768.0)}, "stage_widths must hold ints"),
+        ({"mean": (0.5, float("nan"), 0.5)}, "mean must hold finite numbers"),
+        ({"token_norm": "yes"}, "token_norm must be true or false"),
+    ],
+)
+def test_wrong_types_are_rejected_by_name(changes, message):
+    with pytest.raises(TypeError, match=message):
+        TokenizerConfig(**changes)
+
+
+def test_json_that_is_not_an_object_is_rejected():
+    with pytest.raises(TypeError, match="expected a JSON object, got list"):
+        TokenizerConfig.from_json("[1, 2]")

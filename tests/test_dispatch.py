@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lumenbridge
 from lumenbridge import BACKEND_ENV, TokenizerConfig, VisualTokenizer, dispatch, ops
@@ -18,8 +19,9 @@ SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16
 
 def test_defaults_per_device_and_layout(native_ops, monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    assert lumenbridge.select_backend("cpu").name == dispatch.DEFAULTS[("cpu", False)]
-    assert lumenbridge.select_backend("cpu", channels_last=True).name == dispatch.DEFAULTS[("cpu", True)]
+    # The measured choices of benchmarks/RESULTS.md.
+    assert lumenbridge.select_backend("cpu").name == "native"
+    assert lumenbridge.select_backend("cpu", channels_last=True).name == "reference"
     assert lumenbridge.select_backend("meta").name == "reference"  # no native kernels there
 
 
@@ -46,6 +48,7 @@ def test_explicit_backend_that_cannot_run_is_an_error():
 
 def test_unbuildable_extension_falls_back_with_one_reason(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
     monkeypatch.setattr(dispatch.native, "ready", lambda: False)
     monkeypatch.setattr(dispatch.extension, "load_error", lambda: "no compiler")
     assert lumenbridge.select_backend("cpu").name == "reference"
@@ -58,7 +61,7 @@ def test_report_lists_implementations_and_choices(native_ops):
     report = lumenbridge.backends()
     assert report.implementations["reference"].startswith("available on cpu")
     assert report.implementations["native"].startswith("available on cpu")
-    assert report.selection["cpu NCHW"] == dispatch.DEFAULTS[("cpu", False)]
+    assert report.selection["cpu NCHW"] == "native" and report.selection["cpu NHWC"] == "reference"
     text = str(report)
     assert "reference" in text and "native" in text and "cpu NHWC" in text
 
@@ -68,13 +71,13 @@ def test_state_dict_keys_do_not_depend_on_the_backend(native_ops):
     assert keys[0] == keys[1]
 
 
-def test_separable_conv_composes_depthwise_and_pointwise(native_ops):
+def test_separable_conv_matches_two_plain_convolutions(native_ops):
     x = torch.randn(2, 8, 15, 12)
     dw, dwb = torch.randn(8, 1, 3, 3), torch.randn(8)
     pw, pwb = torch.randn(16, 8, 1, 1), torch.randn(16)
+    expected = F.conv2d(F.conv2d(x, dw, dwb, stride=2, padding=1, groups=8), pw, pwb)
     for name in ("reference", "native"):
-        composed = ops.pointwise_conv2d(ops.depthwise_conv2d(x, dw, dwb, 2, backend=name), pw, pwb, backend=name)
-        torch.testing.assert_close(ops.separable_conv(x, dw, dwb, pw, pwb, 2, backend=name), composed)
+        torch.testing.assert_close(ops.separable_conv(x, dw, dwb, pw, pwb, 2, backend=name), expected)
 
 
 @pytest.mark.parametrize("device", device_params())

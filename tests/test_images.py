@@ -13,11 +13,11 @@ from lumenbridge import images
 from lumenbridge.images import (
     ImageFileDataset,
     collate_images,
+    crop_box,
     decode_image,
     discover_images,
     load_image,
     preprocess,
-    resize_shorter_side,
     sample_image_paths,
 )
 
@@ -53,6 +53,8 @@ def test_folder_is_searched_recursively_in_sorted_order_for_image_extensions(tmp
     ]
     (tmp_path / "notes.txt").write_text("not an image")
     (tmp_path / "sub" / "e.gif").write_bytes(b"GIF89a")
+    (tmp_path / "._A.JPG").write_bytes(b"macOS metadata, not an image")
+    save_image(tmp_path / ".cache" / "thumb.png")
     assert discover_images([str(tmp_path)]) == expected
 
 
@@ -151,9 +153,19 @@ def test_preprocess_gives_a_uint8_square_of_the_image_size():
     assert tensor[:, 100, 100].tolist() == [1, 2, 3]
 
 
-def test_the_shorter_side_is_resized_keeping_the_aspect_ratio():
-    assert resize_shorter_side(Image.new("RGB", (400, 300)), 256).size == (341, 256)
-    assert resize_shorter_side(Image.new("RGB", (100, 200)), 256).size == (256, 512)
+def test_the_crop_box_is_the_central_square_after_scaling_the_shorter_side():
+    # 400 x 300 scaled to a 256 shorter side is 341.3 x 256; its central 224
+    # square is 262.5 source pixels wide.
+    assert crop_box(400, 300, 256, 224) == (68.75, 18.75, 331.25, 281.25)
+    assert crop_box(100, 200, 256, 224) == (6.25, 56.25, 93.75, 143.75)
+
+
+def test_extreme_aspect_ratios_stay_cheap():
+    # Resizing the whole 1 x 100000 strip first would allocate 256 x 25.6 M pixels.
+    strip = Image.new("RGB", (1, 100_000), (7, 8, 9))
+    tensor = preprocess(strip, image_size=224)
+    assert tuple(tensor.shape) == (3, 224, 224)
+    assert tensor[:, 0, 0].tolist() == [7, 8, 9]
 
 
 def test_center_crop_takes_the_middle_of_the_image():

@@ -112,6 +112,16 @@ def test_bad_images_raise_clear_errors(images, error, message):
         make()(images)
 
 
+def test_images_on_another_device_are_rejected():
+    with pytest.raises(ValueError, match="images are on meta but the model is on cpu"):
+        make()(torch.empty(1, 3, 32, 32, device="meta"))
+
+
+def test_a_preset_name_instead_of_a_config_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="TokenizerConfig.preset"):
+        VisualTokenizer("lumenbridge-base")
+
+
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
 def test_check_finite_rejects_non_finite_values(bad_value):
     x = torch.randn(1, 3, 32, 32)

@@ -7,12 +7,13 @@ when poisoning is on), so an element a kernel fails to write fails the test."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
 from lumenbridge import reference
-from lumenbridge.native import memory_format_of
+from lumenbridge.layout import memory_format_of
 
 from conftest import HAS_CUDA, device_params
 
@@ -44,6 +45,11 @@ def poisoned_outputs(native_ops):
     native_ops._set_poison_outputs(True)
     yield
     native_ops._set_poison_outputs(False)
+
+
+def fresh_seed():
+    """New random inputs on every run; the seed is in any failure message to reproduce it."""
+    return random.randrange(2**31)
 
 
 def make_inputs(shape, dtype, layout, device, seed):
@@ -84,44 +90,49 @@ CASES = [
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("shape, dtype, layout", CASES)
 def test_forward(native_ops, device, shape, dtype, layout):
-    x, w, b = make_inputs(shape, dtype, layout, device, seed=hash((shape, layout)) % 1000)
+    seed = fresh_seed()
+    x, w, b = make_inputs(shape, dtype, layout, device, seed)
     stride = shape[-1]
     out = native_ops.depthwise_conv2d(x, w, b, stride)
     exact = reference.depthwise_conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), stride)
     assert out.shape == exact.shape
     assert out.dtype == dtype and out.device == x.device
     assert out.is_contiguous(memory_format=memory_format_of(x))
-    assert_matches(out, exact, reference.depthwise_conv2d(x, w, b, stride), "forward")
+    assert_matches(out, exact, reference.depthwise_conv2d(x, w, b, stride), f"forward, seed {seed}")
 
 
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("shape, dtype, layout", CASES)
 def test_backward_input(native_ops, device, shape, dtype, layout):
     n, c, h, wd, k, stride = shape
-    x, w, _ = make_inputs(shape, dtype, layout, device, seed=7)
+    seed = fresh_seed()
+    x, w, _ = make_inputs(shape, dtype, layout, device, seed)
     grad = reference.depthwise_conv2d(x, w, None, stride)  # right shape and layout
-    grad = torch.randn(grad.shape, dtype=torch.float64).to(grad).contiguous(memory_format=LAYOUTS[layout])
+    grad = torch.randn(grad.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    grad = grad.to(x).contiguous(memory_format=LAYOUTS[layout])
     got = native_ops.depthwise_conv2d_backward_input(grad, w, stride, [h, wd])
     exact = reference.depthwise_conv2d_backward_input(grad.double().cpu(), w.double().cpu(), stride, [h, wd])
     assert got.shape == (n, c, h, wd)
     assert got.is_contiguous(memory_format=memory_format_of(grad))
     baseline = reference.depthwise_conv2d_backward_input(grad, w, stride, [h, wd])
-    assert_matches(got, exact, baseline, "grad_input")
+    assert_matches(got, exact, baseline, f"grad_input, seed {seed}")
 
 
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("shape, dtype, layout", CASES)
 def test_backward_weight(native_ops, device, shape, dtype, layout):
     k, stride = shape[-2:]
-    x, _, _ = make_inputs(shape, dtype, layout, device, seed=11)
+    seed = fresh_seed()
+    x, _, _ = make_inputs(shape, dtype, layout, device, seed)
     grad = reference.depthwise_conv2d(x, torch.ones(shape[1], 1, k, k).to(x), None, stride)
-    grad = torch.randn(grad.shape, dtype=torch.float64).to(grad).contiguous(memory_format=LAYOUTS[layout])
+    grad = torch.randn(grad.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    grad = grad.to(x).contiguous(memory_format=LAYOUTS[layout])
     grad_w, grad_b = native_ops.depthwise_conv2d_backward_weight(grad, x, k, stride)
     exact_w, exact_b = reference.depthwise_conv2d_backward_weight(grad.double().cpu(), x.double().cpu(), k, stride)
     base_w, base_b = reference.depthwise_conv2d_backward_weight(grad, x, k, stride)
     assert grad_w.shape == exact_w.shape and grad_b.shape == exact_b.shape
-    assert_matches(grad_w, exact_w, base_w, "grad_weight")
-    assert_matches(grad_b, exact_b, base_b, "grad_bias")
+    assert_matches(grad_w, exact_w, base_w, f"grad_weight, seed {seed}")
+    assert_matches(grad_b, exact_b, base_b, f"grad_bias, seed {seed}")
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -182,6 +193,23 @@ def test_gradcheck_float64_cpu(native_ops, layout, stride):
     assert torch.autograd.gradcheck(lambda x, w, b: native_ops.depthwise_conv2d(x, w, b, stride), inputs)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_second_order_gradients_float64_cpu(native_ops, layout, stride):
+    """Every op has an autograd formula, so double backward is exact too."""
+    x, w, b = make_inputs((2, 3, 7, 6, 3, stride), torch.float64, layout, "cpu", seed=6)
+    inputs = tuple(t.requires_grad_(True) for t in (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x, w, b: native_ops.depthwise_conv2d(x, w, b, stride), inputs)
+    grad = reference.depthwise_conv2d(x.detach(), w.detach(), None, stride)
+    grad = torch.randn_like(grad).contiguous(memory_format=LAYOUTS[layout]).requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda g, w: native_ops.depthwise_conv2d_backward_input(g, w, stride, [7, 6]), (grad, w)
+    )
+    assert torch.autograd.gradcheck(
+        lambda g, x: native_ops.depthwise_conv2d_backward_weight(g, x, 3, stride), (grad, x)
+    )
+
+
 def test_gradcheck_without_bias(native_ops):
     x, w, _ = make_inputs((1, 2, 6, 5, 5, 2), torch.float64, "nchw", "cpu", seed=9)
     inputs = (x.requires_grad_(True), w.requires_grad_(True))
@@ -204,7 +232,8 @@ def test_compile_fullgraph(native_ops, device):
 
 
 def bad_calls(device):
-    """(description, call, message) for every check in the gateway."""
+    """(description, call, message) for every check in the gateway. Dtype problems
+    raise TypeError, every other bad argument ValueError."""
     ops = torch.ops.lumenbridge
     x = torch.randn(2, 4, 8, 8, device=device)
     w = torch.randn(4, 1, 3, 3, device=device)
@@ -241,8 +270,9 @@ def bad_calls(device):
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("index", range(len(bad_calls("cpu"))), ids=[case[0] for case in bad_calls("cpu")])
 def test_gateway_rejects_bad_arguments(native_ops, device, index):
-    _, call, message = bad_calls(device)[index]
-    with pytest.raises(RuntimeError, match="LumenBridge: .*" + message):
+    description, call, message = bad_calls(device)[index]
+    error = TypeError if "dtype" in description or description == "int input" else ValueError
+    with pytest.raises(error, match="LumenBridge: .*" + message):
         call()
 
 
@@ -250,9 +280,9 @@ def test_gateway_rejects_bad_arguments(native_ops, device, index):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gateway_rejects_mixed_devices_and_gpu_double(cuda_kernels):
     x = torch.randn(1, 4, 8, 8, device="cuda")
-    with pytest.raises(RuntimeError, match="LumenBridge: weight is on cpu but input is on cuda"):
+    with pytest.raises(ValueError, match="LumenBridge: weight is on cpu but input is on cuda"):
         cuda_kernels.depthwise_conv2d(x, torch.randn(4, 1, 3, 3), None, 1)
-    with pytest.raises(RuntimeError, match="LumenBridge: input has dtype Double"):
+    with pytest.raises(TypeError, match="LumenBridge: input has dtype Double"):
         cuda_kernels.depthwise_conv2d(x.double(), torch.randn(4, 1, 3, 3, device="cuda", dtype=torch.float64), None, 1)
 
 

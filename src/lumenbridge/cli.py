@@ -8,9 +8,11 @@ import os
 import platform
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import safetensors
 import safetensors.torch
 import torch
 from tqdm import tqdm
@@ -23,6 +25,7 @@ from lumenbridge.images import ImageFileDataset, collate_images, discover_images
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
 EXIT_USAGE = 2
+EXIT_CRASH = 3
 
 TOKEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +44,8 @@ exit codes:
      (each is named on stderr with the reason)
   2  usage error, no image could be read, or the output could not be
      written; no output is written and an existing --out file is left as it was
+  3  an unexpected error stopped the run (traceback on stderr); no output
+     is written and an existing --out file is left as it was
 """
 
 
@@ -127,6 +132,8 @@ def resolve_device(name: str | None) -> torch.device:
         device = torch.device(name)
     except (RuntimeError, ValueError) as error:
         raise UsageError(f"invalid --device {name!r}: {error}") from error
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name}: choose cpu, cuda[:N] or mps")
     if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
         raise UsageError(f"--device {name}: no such CUDA device here")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -253,7 +260,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
     }
     try:
         save_tokens_atomically(args.out, result.tokens, metadata)
-    except OSError as error:
+    except (OSError, safetensors.SafetensorError) as error:
         print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
         return EXIT_USAGE
     print_summary(result, device, backend, args.out)
@@ -358,4 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit:
         # argparse exits on --help (0) and on usage errors (2); return the code instead.
         return exit.code if isinstance(exit.code, int) else EXIT_USAGE
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except Exception:
+        # Keep exit code 1 meaning "written, some images skipped": a crash is its own code.
+        traceback.print_exc()
+        print("lumenbridge: error: the run stopped on an unexpected error; no output was written", file=sys.stderr)
+        return EXIT_CRASH

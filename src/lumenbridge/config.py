@@ -45,6 +45,8 @@ class TokenizerConfig:
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_types()
+
         def fail(message: str) -> None:
             raise ValueError(f"TokenizerConfig: {message}")
 
@@ -73,6 +75,28 @@ class TokenizerConfig:
         if self.image_size < 1 or self.image_size % self.total_stride:
             fail(f"image_size ({self.image_size}) must be a positive multiple of the total stride ({self.total_stride})")
 
+    def _validate_types(self) -> None:
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_finite(value) -> bool:
+            return is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+        for name in ("in_chans", "embed_dim", "kernel_size", "image_size"):
+            if not is_int(getattr(self, name)):
+                raise TypeError(f"TokenizerConfig: {name} must be an int, got {getattr(self, name)!r}")
+        for name in ("stage_widths", "strides"):
+            if not all(is_int(v) for v in getattr(self, name)):
+                raise TypeError(f"TokenizerConfig: {name} must hold ints, got {getattr(self, name)!r}")
+        for name in ("mean", "std"):
+            if not all(is_finite(v) for v in getattr(self, name)):
+                raise TypeError(f"TokenizerConfig: {name} must hold finite numbers, got {getattr(self, name)!r}")
+        for name in ("activation", "stage_norm", "output_fmt"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"TokenizerConfig: {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.token_norm, bool):
+            raise TypeError(f"TokenizerConfig: token_norm must be true or false, got {self.token_norm!r}")
+
     @property
     def total_stride(self) -> int:
         """How many input pixels one token spans per side."""
@@ -90,6 +114,8 @@ class TokenizerConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TokenizerConfig":
+        if not isinstance(data, dict):
+            raise TypeError(f"TokenizerConfig: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -13,6 +13,7 @@ cannot run (extension not built) falls back to the reference.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -22,17 +23,26 @@ from . import extension, native, reference
 
 BACKEND_ENV = "LUMENBRIDGE_BACKEND"
 
-# Default per (device type, channels-last input), measured in
-# benchmarks/RESULTS.md. CUDA: the native kernels. CPU: the native kernels
-# beat PyTorch's oneDNN path for NCHW (tokenizer forward 88 vs 108 ms at
-# B=8) but not for channels-last (67 vs 63 ms), so that case stays on the
-# reference. Other devices (e.g. Apple MPS) always use the reference.
+log = logging.getLogger("lumenbridge")
+
+# Default per (device type, channels-last input), from the measurements in
+# benchmarks/RESULTS.md: the native kernels where they beat PyTorch, the
+# reference elsewhere.
+#   CUDA, NCHW: native (forward 0.9-3.2x, backward 2.4-6.2x cuDNN's speed).
+#   CUDA, channels-last: reference (native forward is 0.44-0.80x cuDNN's).
+#   CPU, NCHW: native (tokenizer forward 88 vs 108 ms at B=8).
+#   CPU, channels-last: reference (67 vs 63 ms).
+# Other devices (e.g. Apple MPS) always use the reference.
 DEFAULTS = {
     ("cuda", False): "native",
-    ("cuda", True): "native",
+    ("cuda", True): "reference",
     ("cpu", False): "native",
     ("cpu", True): "reference",
 }
+
+# Device types whose default already fell back to the reference, so the
+# reason is logged once rather than on every call.
+_fallbacks_logged: set[str] = set()
 
 
 class Backend:
@@ -67,9 +77,9 @@ class NativeBackend(Backend):
     name = "native"
 
     def depthwise_conv2d(self, input, weight, bias, stride):
-        # Under autocast, PyTorch's own convolutions run in the autocast dtype;
-        # do the same so mixed stages agree on one dtype.
-        if torch.is_autocast_enabled(input.device.type):
+        # Under autocast, PyTorch's own convolutions run in the autocast dtype
+        # (float64 excepted); do the same so mixed stages agree on one dtype.
+        if torch.is_autocast_enabled(input.device.type) and input.dtype != torch.float64:
             dtype = torch.get_autocast_dtype(input.device.type)
             input, weight = input.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
@@ -110,7 +120,13 @@ def resolve_backend_name(device_type: str, channels_last: bool = False, requeste
             raise RuntimeError(f"backend {explicit!r} cannot run on {device_type}: {reason}")
         return explicit
     default = DEFAULTS.get((device_type, channels_last), "reference")
-    return default if unavailable_reason(default, device_type) is None else "reference"
+    reason = unavailable_reason(default, device_type)
+    if reason is None:
+        return default
+    if device_type not in _fallbacks_logged:
+        _fallbacks_logged.add(device_type)
+        log.warning("LumenBridge: using the PyTorch reference on %s: %s", device_type, reason)
+    return "reference"
 
 
 def select_backend(device: torch.device | str, requested: str | None = None, *, channels_last: bool = False) -> Backend:

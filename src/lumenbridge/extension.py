@@ -75,8 +75,10 @@ def _is_cached(name: str) -> bool:
     """Whether a library of this name is already built (sources may still have changed)."""
     from torch.utils import cpp_extension
 
-    build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-    return (build_directory / f"{name}.so").exists()
+    # A private helper of cpp_extension; if a future torch drops it, only the
+    # first-build notice is affected.
+    locate = getattr(cpp_extension, "_get_build_directory", None)
+    return locate is not None and (Path(locate(name, verbose=False)) / f"{name}.so").exists()
 
 
 def _build(verbose: bool) -> BuildReport:
@@ -125,13 +127,14 @@ def build(verbose: bool = True) -> BuildReport:
 
 
 def load() -> bool:
-    """Load the extension, building it if needed. False (after one log line) if that fails."""
+    """Load the extension, building it if needed; False if that fails. The
+    failure is remembered, not retried; dispatch logs it once when it falls
+    back to the reference, and `lumenbridge build` shows it in full."""
     global _state
     if _state is None:
         try:
             _state = _build(verbose=False)
         except BuildError as error:
-            log.warning("LumenBridge: native kernels unavailable (%s); using the PyTorch reference", error.summary)
             _state = error
     return isinstance(_state, BuildReport)
 
@@ -141,5 +144,5 @@ def has_cuda_kernels() -> bool:
 
 
 def load_error() -> str | None:
-    """Why the extension is unavailable, or None if it loaded."""
-    return None if load() else str(_state)
+    """Why the extension is unavailable (the first line of the cause), or None if it loaded."""
+    return None if load() else _state.summary

@@ -49,11 +49,12 @@ def is_image_file(path: str | os.PathLike) -> bool:
 
 
 def images_in_folder(folder: str | os.PathLike) -> list[str]:
-    """All image files below a folder, recursively, in sorted order."""
+    """All image files below a folder, recursively, in sorted order, skipping hidden ones."""
+    # Hidden entries (".name", such as macOS "._IMG_1.jpg" metadata files) are not images.
     return [
         str(path)
         for path in sorted(Path(folder).rglob("*"))
-        if path.is_file() and is_image_file(path)
+        if path.is_file() and is_image_file(path) and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     ]
 
 
@@ -140,25 +141,13 @@ def decode_image(path: str | os.PathLike, min_side: int | None = None) -> Image.
         return image.convert("RGB")
 
 
-def resize_shorter_side(image: Image.Image, size: int) -> Image.Image:
-    """Scales an image so its shorter side is `size`, keeping the aspect ratio.
-
-    Pillow's bicubic filter widens with the scale factor, so downscaling is antialiased.
-    """
-    width, height = image.size
-    scale = size / min(width, height)
-    new_size = (max(size, round(width * scale)), max(size, round(height * scale)))
-    return image.resize(new_size, Image.Resampling.BICUBIC)
-
-
-def center_crop(image: Image.Image, size: int) -> Image.Image:
-    """The central size x size square of an image at least that large on both sides."""
-    width, height = image.size
-    if width < size or height < size:
-        raise ValueError(f"cannot crop {size}x{size} from a {width}x{height} image")
-    left = (width - size) // 2
-    top = (height - size) // 2
-    return image.crop((left, top, left + size, top + size))
+def crop_box(width: int, height: int, resize: int, image_size: int) -> tuple[float, float, float, float]:
+    """The source region that becomes the output: the central image_size square
+    of the image once its shorter side is scaled to `resize`, in the source's
+    own (fractional) pixel coordinates."""
+    side = image_size * min(width, height) / resize
+    left, top = (width - side) / 2, (height - side) / 2
+    return left, top, left + side, top + side
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -169,9 +158,15 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 def preprocess(image: Image.Image, image_size: int, resize: int | None = None) -> torch.Tensor:
-    """Resize shorter side, center-crop to image_size, return uint8 [3, image_size, image_size]."""
+    """Resize shorter side, center-crop to image_size, return uint8 [3, image_size, image_size].
+
+    Both happen in one resampling of just the cropped region, so memory stays
+    at the output size whatever the aspect ratio: a 1 x 100000 image would
+    otherwise be scaled to 256 x 25600000 before cropping. Bicubic filtering
+    widens with the scale factor, so downscaling is antialiased."""
     resize = resolve_resize(image_size, resize)
-    return to_tensor(center_crop(resize_shorter_side(image, resize), image_size))
+    box = crop_box(*image.size, resize, image_size)
+    return to_tensor(image.resize((image_size, image_size), Image.Resampling.BICUBIC, box=box))
 
 
 def load_image(path: str | os.PathLike, image_size: int, resize: int | None = None) -> torch.Tensor:

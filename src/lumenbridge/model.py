@@ -10,6 +10,7 @@ from torch import nn
 
 from . import checkpoint, ops
 from .config import TokenizerConfig
+from .layout import memory_format_of
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -36,13 +37,12 @@ class SeparableStage(nn.Module):
 
     def __init__(self, in_chans: int, out_chans: int, kernel_size: int, stride: int, norm: str):
         super().__init__()
-        self.stride = stride
         self.dw = nn.Conv2d(in_chans, in_chans, kernel_size, stride, kernel_size // 2, groups=in_chans)
         self.pw = nn.Conv2d(in_chans, out_chans, 1)
         self.norm = _make_stage_norm(norm, out_chans)
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        x = ops.separable_conv(x, self.dw.weight, self.dw.bias, self.pw.weight, self.pw.bias, self.stride, backend=backend)
+        x = ops.separable_conv(x, self.dw.weight, self.dw.bias, self.pw.weight, self.pw.bias, self.dw.stride[0], backend=backend)
         return self.norm(x)
 
 
@@ -71,6 +71,11 @@ class VisualTokenizer(nn.Module):
         seed: int | None = None,
     ):
         super().__init__()
+        if config is not None and not isinstance(config, TokenizerConfig):
+            raise TypeError(
+                f"config must be a TokenizerConfig, got {type(config).__name__}; "
+                "for a preset use TokenizerConfig.preset(name)"
+            )
         self.config = config or TokenizerConfig()
         self.backend = backend
         self.dynamic_pad = dynamic_pad
@@ -129,6 +134,8 @@ class VisualTokenizer(nn.Module):
             raise TypeError(f"images must be uint8 (0..255) or floating point, got {images.dtype}")
         if images.dim() != 4:
             raise ValueError(f"images must be 4-D [B, C, H, W], got {images.dim()}-D with shape {tuple(images.shape)}")
+        if images.device != self.pixel_mean.device:
+            raise ValueError(f"images are on {images.device} but the model is on {self.pixel_mean.device}; move one of them")
         if images.shape[1] != self.config.in_chans:
             raise ValueError(f"images have {images.shape[1]} channels but the model expects {self.config.in_chans}")
         for extent in images.shape[2:]:
@@ -147,8 +154,7 @@ class VisualTokenizer(nn.Module):
             height, width = x.shape[2:]
             x = F.pad(x, (0, self._padded(width) - width, 0, self._padded(height) - height))
         # The kernels read dense NCHW or NHWC; keep channels-last input channels-last.
-        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        return x.contiguous(memory_format=memory_format_of(x))
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """The final feature map [B, D, h, w], before the token norm."""

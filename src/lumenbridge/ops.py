@@ -3,18 +3,20 @@ functions, which hand it to the backend dispatch.select_backend chooses.
 
 Tensors passed to the native backend must be dense, contiguous NCHW or
 channels-last NHWC; any other strides are rejected by the gateway with an
-error saying how to fix them (VisualTokenizer makes its input dense itself)."""
+error saying how to fix them (VisualTokenizer makes its input dense itself).
+The native backend takes K in {3, 5, 7} and stride 1 or 2; the reference is
+PyTorch's own convolution and takes any odd K and stride."""
 
 from __future__ import annotations
 
 import torch
 
 from .dispatch import Backend, select_backend
+from .layout import is_channels_last
 
 
 def _backend_for(input: torch.Tensor, backend: str | None) -> Backend:
-    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
-    return select_backend(input.device, backend, channels_last=channels_last)
+    return select_backend(input.device, backend, channels_last=is_channels_last(input))
 
 
 def depthwise_conv2d(

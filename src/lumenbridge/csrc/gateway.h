@@ -24,7 +24,7 @@ struct DepthwiseProblem {
   }
 };
 
-// Output extent of one spatial dimension, shared by gateway and fake kernels.
+// Output extent of one spatial dimension (native.py mirrors it for fake tensors).
 inline int64_t depthwise_output_extent(int64_t in, int64_t K, int64_t stride) {
   return (in + 2 * (K / 2) - K) / stride + 1;
 }

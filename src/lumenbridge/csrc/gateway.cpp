@@ -1,8 +1,10 @@
 // The operator gateway: op schemas, the one set of argument checks, and the
 // registration of the CPU and CUDA kernels behind torch.ops.lumenbridge.*.
 // Every check lives here once; kernels receive a validated DepthwiseProblem.
-// A wrong dtype raises TypeError in Python (TORCH_CHECK_TYPE); every other bad
-// argument raises ValueError (TORCH_CHECK_VALUE). Messages start "LumenBridge:".
+// Failures raise RuntimeError in Python with messages that start "LumenBridge:".
+// Plain TORCH_CHECK throws from inside libc10 (torchCheckFail); the typed
+// variants would throw from this library, which on toolchains that link their
+// own libstdc++ into it means a second exception runtime.
 #include <torch/library.h>
 
 #include <atomic>
@@ -24,50 +26,50 @@ void check_dtype(const at::Tensor& t, const char* name) {
       dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
   // float64 exists for gradcheck on the CPU; GPU kernels stay in the fast types.
   const bool cpu_double = dtype == at::kDouble && t.device().is_cpu();
-  TORCH_CHECK_TYPE(half_or_float || cpu_double, "LumenBridge: ", name, " has dtype ", text(dtype),
+  TORCH_CHECK(half_or_float || cpu_double, "LumenBridge: ", name, " has dtype ", text(dtype),
               "; supported are float32, float16 and bfloat16 (and float64 on the CPU)");
 }
 
 void check_same_device(const at::Tensor& reference, const char* reference_name,
                        const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device() == reference.device(), "LumenBridge: ", name, " is on ", text(t.device()),
+  TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", text(t.device()),
               " but ", reference_name, " is on ", text(reference.device()),
               "; all tensors must be on the same device");
 }
 
 void check_same_dtype(const at::Tensor& reference, const char* reference_name,
                       const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == reference.scalar_type(), "LumenBridge: ", name, " has dtype ",
+  TORCH_CHECK(t.scalar_type() == reference.scalar_type(), "LumenBridge: ", name, " has dtype ",
               text(t.scalar_type()), " but ", reference_name, " has dtype ",
               text(reference.scalar_type()),
               "; they must match");
 }
 
 void check_4d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", text(t.dim()),
+  TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", text(t.dim()),
               "-D with shape ", text(t.sizes()));
-  TORCH_CHECK_VALUE(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
+  TORCH_CHECK(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
               " must have at least one channel and one pixel, got shape ", text(t.sizes()));
 }
 
 void check_stride(int64_t stride) {
-  TORCH_CHECK_VALUE(stride == 1 || stride == 2, "LumenBridge: stride must be 1 or 2, got ", text(stride));
+  TORCH_CHECK(stride == 1 || stride == 2, "LumenBridge: stride must be 1 or 2, got ", text(stride));
 }
 
 void check_kernel_size(int64_t k) {
-  TORCH_CHECK_VALUE(is_supported_kernel_size(k),
+  TORCH_CHECK(is_supported_kernel_size(k),
               "LumenBridge: kernel_size must be 3, 5 or 7 (odd, so padding K/2 is symmetric), got ",
               text(k));
 }
 
 // Depthwise weight: [C, 1, K, K], dense, K odd in {3, 5, 7}.
 int64_t check_weight(const at::Tensor& weight, int64_t channels) {
-  TORCH_CHECK_VALUE(weight.dim() == 4 && weight.size(1) == 1 && weight.size(2) == weight.size(3),
+  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == 1 && weight.size(2) == weight.size(3),
               "LumenBridge: weight must have shape [C, 1, K, K], got ", text(weight.sizes()));
-  TORCH_CHECK_VALUE(weight.size(0) == channels, "LumenBridge: weight has ", text(weight.size(0)),
+  TORCH_CHECK(weight.size(0) == channels, "LumenBridge: weight has ", text(weight.size(0)),
               " channels but the input has ", text(channels));
   check_kernel_size(weight.size(2));
-  TORCH_CHECK_VALUE(weight.is_contiguous(), "LumenBridge: weight must be contiguous, got strides ",
+  TORCH_CHECK(weight.is_contiguous(), "LumenBridge: weight must be contiguous, got strides ",
               text(weight.strides()));
   return weight.size(2);
 }
@@ -76,10 +78,10 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& input, 
   if (!bias.has_value()) return;
   check_same_device(input, "input", *bias, "bias");
   check_same_dtype(input, "input", *bias, "bias");
-  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == channels,
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels,
               "LumenBridge: bias must have shape [", text(channels), "], got ",
               text(bias->sizes()));
-  TORCH_CHECK_VALUE(bias->is_contiguous(), "LumenBridge: bias must be contiguous");
+  TORCH_CHECK(bias->is_contiguous(), "LumenBridge: bias must be contiguous");
 }
 
 // The kernels read contiguous NCHW or channels-last NHWC natively. A tensor
@@ -90,14 +92,14 @@ Layout check_layout(std::initializer_list<std::pair<const at::Tensor*, const cha
   for (const auto& [t, name] : tensors) {
     const bool nchw = t->is_contiguous();
     const bool nhwc = t->is_contiguous(at::MemoryFormat::ChannelsLast);
-    TORCH_CHECK_VALUE(nchw || nhwc, "LumenBridge: ", name,
+    TORCH_CHECK(nchw || nhwc, "LumenBridge: ", name,
                 " must be contiguous NCHW or channels-last NHWC, got sizes ", text(t->sizes()),
                 " and strides ", text(t->strides()),
                 "; call .contiguous() or .contiguous(memory_format=torch.channels_last) first");
     all_nchw = all_nchw && nchw;
     all_nhwc = all_nhwc && nhwc;
   }
-  TORCH_CHECK_VALUE(all_nchw || all_nhwc,
+  TORCH_CHECK(all_nchw || all_nhwc,
               "LumenBridge: all activation tensors of one call must share one memory layout "
               "(all contiguous NCHW or all channels-last NHWC)");
   return all_nchw ? Layout::NCHW : Layout::NHWC;
@@ -121,7 +123,7 @@ DepthwiseProblem make_problem(int64_t N, int64_t C, int64_t H, int64_t W, int64_
 
 void check_grad_output_shape(const at::Tensor& grad_output, const DepthwiseProblem& p) {
   const std::vector<int64_t> expected{p.N, p.C, p.Ho, p.Wo};
-  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(expected), "LumenBridge: grad_output has shape ",
+  TORCH_CHECK(grad_output.sizes() == at::IntArrayRef(expected), "LumenBridge: grad_output has shape ",
               text(grad_output.sizes()), " but expected ", text(expected), " for an input of ",
               text({p.N, p.C, p.H, p.W}), " with K=", text(p.K), " and stride ", text(p.stride));
 }
@@ -147,7 +149,7 @@ DepthwiseProblem check_backward_input(const at::Tensor& grad_output, const at::T
   check_same_dtype(grad_output, "grad_output", weight, "weight");
   const int64_t K = check_weight(weight, grad_output.size(1));
   check_stride(stride);
-  TORCH_CHECK_VALUE(input_size.size() == 2 && input_size[0] >= 1 && input_size[1] >= 1,
+  TORCH_CHECK(input_size.size() == 2 && input_size[0] >= 1 && input_size[1] >= 1,
               "LumenBridge: input_size must be [H, W] with H, W >= 1, got ", text(input_size));
   const Layout layout = check_layout({{&grad_output, "grad_output"}});
   const DepthwiseProblem p = make_problem(grad_output.size(0), grad_output.size(1),

@@ -49,6 +49,7 @@ def depthwise_rows():
                 "native": lambda x, w, b: torch.ops.lumenbridge.depthwise_conv2d(x, w, b, 2),
                 "reference": lambda x, w, b: reference.depthwise_conv2d(x, w, b, 2),
             }
+            torch.compiler.reset()  # a fresh compile per case, not a recompile-limited cache
             impls["compile"] = torch.compile(impls["reference"], dynamic=False)
             for name, fn in impls.items():
                 xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))

@@ -30,8 +30,8 @@ log = logging.getLogger("lumenbridge")
 # reference elsewhere.
 #   CUDA, NCHW: native (forward 0.9-3.2x, backward 2.4-6.2x cuDNN's speed).
 #   CUDA, channels-last: reference (native forward is 0.44-0.80x cuDNN's).
-#   CPU, NCHW: native (tokenizer forward 88 vs 108 ms at B=8).
-#   CPU, channels-last: reference (67 vs 63 ms).
+#   CPU, NCHW: native (tokenizer forward 91 vs 110 ms at B=8).
+#   CPU, channels-last: reference (55 vs 53 ms).
 # Other devices (e.g. Apple MPS) always use the reference.
 DEFAULTS = {
     ("cuda", False): "native",

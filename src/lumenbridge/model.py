@@ -109,10 +109,6 @@ class VisualTokenizer(nn.Module):
             height, width = -(-height // stride), -(-width // stride)
         return height, width
 
-    def num_tokens(self, height: int, width: int) -> int:
-        rows, cols = self.feature_size(height, width)
-        return rows * cols
-
     def _padded(self, extent: int) -> int:
         step = self.config.total_stride
         return -(-extent // step) * step

@@ -2,10 +2,15 @@
 
 Covers K in {3, 5, 7}, stride 1 and 2, float32/float16/bfloat16, NCHW and
 NHWC, and the tile paths the sizes select:
-  21 x 38  scalar NCHW loads (W % 4 != 0), 32 x 32 tiles, ragged edges
-  70 x 64  4-wide NCHW loads, tall 32 x 64 tiles at stride 1
-  20 x 24  the 16 x 16 tile (two rows per warp) at stride 2
-C = 32 takes the vector channel path in NHWC, C = 13 the scalar one.
+  21 x 38  NCHW rows in 8-byte chunks (fp32) or single elements (half types);
+           64-wide forward tiles at stride 1, 32-wide at stride 2
+  70 x 64  16-byte NCHW chunks, several tile rows
+  20 x 24  32-wide forward tiles at stride 1, 16-wide at stride 2
+  9 x 13   odd W: single-element chunks, one narrow tile
+C = 32 takes 16-byte channel chunks in NHWC, C = 6 8-byte (fp32) ones, C = 13
+single elements. A last batch of 96 x 64 x 32 x 32 forwards gives every
+resident block several tiles, so the hand-over between a block's two tile
+buffers runs under the tools too.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
 
@@ -17,9 +22,10 @@ from lumenbridge import native
 
 assert native.ready(), "the LumenBridge extension did not build"
 ops = torch.ops.lumenbridge
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FORMATS = (torch.contiguous_format, torch.channels_last)
 for (h, w), k, stride, dtype, fmt, channels in itertools.product(
-    ((21, 38), (70, 64), (20, 24)), (3, 5, 7), (1, 2), (torch.float32, torch.float16, torch.bfloat16),
-    (torch.contiguous_format, torch.channels_last), (32, 13),
+    ((21, 38), (70, 64), (20, 24), (9, 13)), (3, 5, 7), (1, 2), DTYPES, FORMATS, (32, 6, 13),
 ):
     x = torch.randn(2, channels, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
     weight = torch.randn(channels, 1, k, k, device="cuda", dtype=dtype)
@@ -28,5 +34,8 @@ for (h, w), k, stride, dtype, fmt, channels in itertools.product(
     grad = torch.randn_like(y).contiguous(memory_format=fmt)
     ops.depthwise_conv2d_backward_input(grad, weight, stride, [h, w])
     ops.depthwise_conv2d_backward_weight(grad, x, k, stride)
+for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS):
+    x = torch.randn(96, 64, 32, 32, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+    ops.depthwise_conv2d(x, torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype), None, stride)
 torch.cuda.synchronize()
 print("sanitize_kernels: all variants ran")

@@ -30,7 +30,9 @@ SHAPES = [
     (2, 8, 1, 1, 3, 1),  # single-pixel input and output
     (2, 8, 2, 2, 7, 2),  # single-pixel output at stride 2, kernel wider than the image
     (2, 32, 16, 16, 3, 2),  # 8 x 8 output: the narrow-tile path
-    (1, 40, 66, 131, 3, 1),  # wide rows: several 32-column tiles plus a ragged one
+    (1, 40, 66, 131, 3, 1),  # wide rows: several 64-column tiles plus a ragged one
+    (2, 12, 30, 36, 3, 2),  # W = 36, C = 12: half types load 8-byte chunks, fp32 16-byte ones
+    (2, 10, 36, 28, 3, 1),  # C = 10: 8-byte fp32 channel chunks in NHWC
 ]
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -309,6 +311,21 @@ def test_cuda_graph_capture(cuda_kernels, layout):
     for got, want in zip(captured, fresh):
         assert torch.equal(got, want)
     assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_with_many_tiles_per_block(cuda_kernels, layout, dtype, stride):
+    """Thousands of tiles, several per resident block: every hand-over between
+    a block's two tile buffers is exercised."""
+    seed = fresh_seed()
+    x, w, b = make_inputs((96, 64, 32, 32, 3, stride), dtype, layout, "cuda", seed)
+    out = cuda_kernels.depthwise_conv2d(x, w, b, stride)
+    exact = reference.depthwise_conv2d(x.double(), w.double(), b.double(), stride)
+    assert_matches(out, exact, reference.depthwise_conv2d(x, w, b, stride), f"forward, seed {seed}")
 
 
 @pytest.mark.cuda

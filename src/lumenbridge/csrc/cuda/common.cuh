@@ -43,19 +43,15 @@ __device__ __forceinline__ Vec<T, VEC> zero_vec() {
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The widest access, up to MAX_VEC elements, that evenly divides `extent`
-// elements and keeps every pointer aligned. 1 means scalar.
+// MAX_VEC when that many elements evenly divide `extent` and every pointer is
+// aligned to MAX_VEC elements; otherwise 1 (scalar).
 template <typename T>
 int vector_width(int max_vec, int64_t extent, std::initializer_list<const void*> pointers) {
-  int vec = max_vec;
-  for (; vec > 1; vec /= 2) {
-    bool aligned = extent % vec == 0;
-    for (const void* p : pointers) {
-      aligned = aligned && (p == nullptr || reinterpret_cast<uintptr_t>(p) % (vec * sizeof(T)) == 0);
-    }
-    if (aligned) break;
+  bool aligned = extent % max_vec == 0;
+  for (const void* p : pointers) {
+    aligned = aligned && (p == nullptr || reinterpret_cast<uintptr_t>(p) % (max_vec * sizeof(T)) == 0);
   }
-  return vec;
+  return aligned ? max_vec : 1;
 }
 
 // Runs `body` with std::integral_constant<int, K> for K in {3, 5, 7}, and

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
     const int t = i / kSlab, ch = c0 + i % kSlab;
     taps[t][i % kSlab] = ch < C ? static_cast<float>(weight[ch * K * K + t]) : 0.0f;
   }
-  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, false, kThreads>(
+  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, kThreads>(
       tile, grad_output + n * Ho * Wo * C, Ho, Wo, C, qy0 + Reach::kMin, qx0 + Reach::kMin, c0, tid);
   __syncthreads();
 

@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
       acc[K * K] += g[x];
     }
     __syncthreads();
-    load_pixel_tile<T, Tile::kInH, Tile::kInW, kCh / VEC, VEC, false, kThreads>(
+    load_pixel_tile<T, Tile::kInH, Tile::kInW, kCh / VEC, VEC, kThreads>(
         tile, input + n * H * W * C, H, W, C, oy0 * S - K / 2, ox0 * S - K / 2, c0,
         ly * kCh + lane);
     __syncthreads();

@@ -16,5 +16,13 @@ void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& bias, at::Tensor& output,
                               const DepthwiseProblem& p);
 
+// The per-layout launchers behind it (depthwise_forward_{nchw,nhwc}.cu).
+void launch_depthwise_forward_nchw(const at::Tensor& input, const at::Tensor& weight,
+                                   const at::Tensor& bias, at::Tensor& output,
+                                   const DepthwiseProblem& p);
+void launch_depthwise_forward_nhwc(const at::Tensor& input, const at::Tensor& weight,
+                                   const at::Tensor& bias, at::Tensor& output,
+                                   const DepthwiseProblem& p);
+
 }  // namespace cuda
 }  // namespace lumenbridge

@@ -7,23 +7,14 @@
 //
 // Stride-2 readers touch every other column; storing even and odd columns in
 // separate halves (`Deinterleave`) makes those reads consecutive in shared
-// memory, so a warp hits distinct banks.
+// memory, so a warp hits distinct banks. The backward kernels use these
+// tiles; the forward kernels use the pipelined tiles of pipeline.cuh.
 #pragma once
 
 #include "common.cuh"
 
 namespace lumenbridge {
 namespace cuda {
-
-// Physical column of logical column j in a tile row of COLS columns.
-template <int COLS, bool Deinterleave>
-struct ColumnMap {
-  static constexpr int kHalf = (COLS + 1) / 2;
-  static constexpr int kWidth = Deinterleave ? 2 * kHalf : COLS;
-  __device__ __forceinline__ static int phys(int j) {
-    return Deinterleave ? (j & 1) * kHalf + (j >> 1) : j;
-  }
-};
 
 __host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
 
@@ -91,13 +82,12 @@ struct PlaneTile {
 };
 
 // NHWC: pixels of the window hold a slab of CV * VEC channels starting at c0,
-// stored in the input dtype as [ROWS][phys column][CV * VEC]. Eight threads
-// move one pixel's slab, so each group of them reads contiguous memory.
-template <typename T, int ROWS, int COLS, int CV, int VEC, bool Deinterleave, int THREADS>
+// stored in the input dtype as [ROWS][COLS][CV * VEC]. CV threads move one
+// pixel's slab, so each group of them reads contiguous memory.
+template <typename T, int ROWS, int COLS, int CV, int VEC, int THREADS>
 __device__ __forceinline__ void load_pixel_tile(T* __restrict__ tile, const T* __restrict__ image,
                                                 int H, int W, int C, int y0, int x0, int c0,
                                                 int tid) {
-  using Map = ColumnMap<COLS, Deinterleave>;
   constexpr int kSlab = CV * VEC;
   constexpr int kItems = ROWS * COLS * CV;
   // Unrolled in groups of 8: enough loads in flight without exhausting registers.
@@ -116,7 +106,7 @@ __device__ __forceinline__ void load_pixel_tile(T* __restrict__ tile, const T* _
     if (gy >= 0 && gy < H && gx >= 0 && gx < W && c < C) {
       v = load_vec<T, VEC>(image + (static_cast<int64_t>(gy) * W + gx) * C + c);
     }
-    store_vec<T, VEC>(tile + (r * Map::kWidth + Map::phys(j)) * kSlab + cv * VEC, v);
+    store_vec<T, VEC>(tile + pixel * kSlab + cv * VEC, v);
   }
 }
 

@@ -1,0 +1,215 @@
+// Depthwise K x K forward, NCHW: a persistent, double-buffered pipeline of
+// shared-memory tiles with full halos (pipeline.cuh). Per tile: one barrier,
+// then an unrolled, branch-free K x K loop that reads only shared memory.
+//
+// A tile is an OW x OH block of one (n, c) plane's output. Its input window,
+// halo included, is copied into shared memory in the input dtype with 16-byte
+// chunks where W allows (8-byte or single elements otherwise); cells outside
+// the image are zero-filled by the copy itself. Rows are stored from one
+// 16-byte unit left of the window, so every chunk is aligned.
+//
+// Each thread computes V adjacent outputs in each of R rows, where V * S
+// elements fill one 16-byte unit: its input window then starts at its own
+// unit, a warp's 16-byte shared reads are consecutive (no bank conflicts,
+// even at stride 2), and each input row it reads serves all R rows.
+#include "common.cuh"
+#include "depthwise_forward.cuh"
+#include "pipeline.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+namespace {
+
+// Output tile extents by plane width: wide planes take 64-wide tiles, planes
+// at most 32 or 16 wide take 32- or 16-wide ones, so few lanes idle at the
+// right edge. Tall tiles amortize the K - 1 halo rows; stride-2 tiles are
+// shorter so two buffers still fit several blocks per SM.
+enum class PlaneSize { Wide, Medium, Narrow };
+
+template <typename T, int K, int S, PlaneSize SIZE>
+struct NchwForwardTile {
+  static constexpr int kUnit = 16 / sizeof(T);  // elements per 16-byte unit
+  static constexpr int kV = kUnit / S;          // output columns per thread
+  static constexpr int kOutW = SIZE == PlaneSize::Wide ? 64 : SIZE == PlaneSize::Medium ? 32 : 16;
+  static constexpr int kOutH = SIZE == PlaneSize::Wide ? (S == 1 ? 64 : kUnit == 4 ? 16 : 32) : kOutW;
+  static constexpr int kRows = SIZE == PlaneSize::Narrow ? 1 : (S == 1 && kUnit == 4 && SIZE == PlaneSize::Wide ? 4 : 2);
+  static constexpr int kTX = kOutW / kV, kTY = kOutH / kRows, kThreads = kTX * kTY;
+  static constexpr int kPad = K / 2, kStride = S;
+  static constexpr int kInRows = (kOutH - 1) * S + K;
+  // One unit left of the window (which reaches kPad < kUnit to the left), the
+  // S * kOutW columns the tile steps over, and one unit for the right halo.
+  static constexpr int kPitch = S * kOutW + 2 * kUnit;
+  static constexpr int kElems = kInRows * kPitch;
+  static constexpr size_t kSharedBytes = 2 * kElems * sizeof(T);
+  // A thread's input window: kWindow elements from offset kFirst of its unit.
+  static constexpr int kFirst = kUnit - kPad;
+  static constexpr int kWindow = (kV - 1) * S + K;
+  static constexpr int kUnitsRead = ceil_div(kFirst + kWindow, kUnit);
+  static_assert(kUnitsRead <= 3, "a thread's window must fit the tile's right halo unit");
+  static_assert(kThreads % 32 == 0 && kThreads <= 256, "whole warps, at most 256 threads");
+};
+
+// Copies the input window of the tile at output (oy0, ox0) into `tile`.
+template <typename Tile, int CHUNK, typename T>
+__device__ __forceinline__ void load_nchw_tile(T* __restrict__ tile, const T* __restrict__ plane,
+                                               int H, int W, int oy0, int ox0, int tid) {
+  constexpr int kChunksPerRow = Tile::kPitch / CHUNK;
+  constexpr int kItems = Tile::kInRows * kChunksPerRow;
+  const int iy0 = oy0 * Tile::kStride - Tile::kPad;
+  const int ix0 = ox0 * Tile::kStride - Tile::kUnit;
+#pragma unroll 4
+  for (int item = tid; item < kItems; item += Tile::kThreads) {
+    const int r = item / kChunksPerRow;
+    const int q = item - r * kChunksPerRow;
+    const int gy = iy0 + r, gx = ix0 + q * CHUNK;
+    const bool inside = gy >= 0 && gy < H && gx >= 0 && gx < W;
+    const T* src = inside ? plane + static_cast<int64_t>(gy) * W + gx : plane;
+    copy_chunk_async<T, CHUNK>(tile + r * Tile::kPitch + q * CHUNK, src, inside);
+  }
+}
+
+// Register caps: 64 per thread for 3 x 3 (four 256-thread blocks per SM, as
+// many as two tile buffers leave room for), 128 for the larger kernels' taps.
+template <typename T, int K, int S, PlaneSize SIZE>
+__global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
+                                  (K == 3 ? 1024 : 512) / NchwForwardTile<T, K, S, SIZE>::kThreads)
+    depthwise_forward_nchw_kernel(const T* __restrict__ input, const T* __restrict__ weight,
+                                  const T* __restrict__ bias, T* __restrict__ output, int H,
+                                  int W, int Ho, int Wo, int chunk, bool vector_stores,
+                                  TileSpace<4> space) {
+  using Tile = NchwForwardTile<T, K, S, SIZE>;
+  constexpr int V = Tile::kV, R = Tile::kRows, U = Tile::kUnit;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* const buffers = reinterpret_cast<T*>(shared_bytes);
+  const int tid = threadIdx.x;
+  const int tx = tid % Tile::kTX, ty = tid / Tile::kTX;
+  const int C = space.radix[2];
+
+  // Digits: tile column, tile row, channel, image.
+  TileCursor<4> at(blockIdx.x, space);
+  auto plane_of = [&](const TileCursor<4>& t) {
+    return static_cast<int64_t>(t.digit[3]) * C + t.digit[2];
+  };
+  auto load = [&](T* tile, const TileCursor<4>& t) {
+    dispatch_chunk<T>(chunk, [&](auto width) {
+      load_nchw_tile<Tile, decltype(width)::value>(
+          tile, input + plane_of(t) * H * W, H, W, t.digit[1] * Tile::kOutH,
+          t.digit[0] * Tile::kOutW, tid);
+    });
+  };
+
+  if (at.valid(space)) load(buffers, at);
+  cp_async_commit();
+  for (int stage = 0; at.valid(space); stage ^= 1) {
+    const int c = at.digit[2];
+    float w[K * K];
+#pragma unroll
+    for (int i = 0; i < K * K; ++i) w[i] = static_cast<float>(weight[c * K * K + i]);
+    const float b = bias != nullptr ? static_cast<float>(bias[c]) : 0.0f;
+
+    cp_async_wait_all();
+    __syncthreads();  // this tile has landed; every thread is done with the other buffer
+    TileCursor<4> next = at;
+    next.advance(space);
+    if (next.valid(space)) load(buffers + (stage ^ 1) * Tile::kElems, next);
+    cp_async_commit();
+
+    float acc[R][V];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[r][v] = b;
+    }
+    const T* window = buffers + stage * Tile::kElems + ty * R * S * Tile::kPitch + tx * U;
+#pragma unroll
+    for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
+      float x[Tile::kUnitsRead * U];
+#pragma unroll
+      for (int u = 0; u < Tile::kUnitsRead; ++u) {
+        const Vec<T, U> unit = load_vec<T, U>(window + ir * Tile::kPitch + u * U);
+#pragma unroll
+        for (int e = 0; e < U; ++e) x[u * U + e] = static_cast<float>(unit.v[e]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int ky = ir - r * S;  // compile-time once unrolled: no branch survives
+        if (ky >= 0 && ky < K) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+#pragma unroll
+            for (int kx = 0; kx < K; ++kx) {
+              acc[r][v] = fmaf(w[ky * K + kx], x[Tile::kFirst + v * S + kx], acc[r][v]);
+            }
+          }
+        }
+      }
+    }
+
+    T* out = output + plane_of(at) * Ho * Wo;
+    const int ox = at.digit[0] * Tile::kOutW + tx * V;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int oy = at.digit[1] * Tile::kOutH + ty * R + r;
+      if (oy >= Ho) continue;
+      T* dst = out + static_cast<int64_t>(oy) * Wo + ox;
+      if (vector_stores && ox + V <= Wo) {
+        Vec<T, V> result;
+#pragma unroll
+        for (int v = 0; v < V; ++v) result.v[v] = static_cast<T>(acc[r][v]);
+        store_vec<T, V>(dst, result);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          if (ox + v < Wo) dst[v] = static_cast<T>(acc[r][v]);
+        }
+      }
+    }
+    at = next;
+  }
+}
+
+template <typename T, int K, int S, PlaneSize SIZE>
+void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+            at::Tensor& output, const DepthwiseProblem& p) {
+  using Tile = NchwForwardTile<T, K, S, SIZE>;
+  auto kernel = depthwise_forward_nchw_kernel<T, K, S, SIZE>;
+  allow_shared_bytes(kernel, Tile::kSharedBytes);
+  const T* in = input.const_data_ptr<T>();
+  T* out = output.mutable_data_ptr<T>();
+  const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
+  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes,
+                                           tiles_x * tiles_y * p.C * p.N, 1);
+  const TileSpace<4> space = tile_space<4>({tiles_x, tiles_y, p.C, p.N}, blocks);
+  // Whole V-wide output vectors are aligned when Wo is a multiple of V.
+  const bool vector_stores =
+      p.Wo % Tile::kV == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kV * sizeof(T)) == 0;
+  kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
+      static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho),
+      static_cast<int>(p.Wo), chunk_width<T>(p.W, in), vector_stores, space);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void launch_depthwise_forward_nchw(const at::Tensor& input, const at::Tensor& weight,
+                                   const at::Tensor& bias, at::Tensor& output,
+                                   const DepthwiseProblem& p) {
+  LUMENBRIDGE_DISPATCH_CUDA_TYPES(input.scalar_type(), "lumenbridge_depthwise_forward_nchw", [&] {
+    dispatch_kernel_size(p.K, [&](auto k) {
+      dispatch_stride(p.stride, [&](auto s) {
+        constexpr int K = decltype(k)::value, S = decltype(s)::value;
+        if (p.Wo > 32) {
+          launch<scalar_t, K, S, PlaneSize::Wide>(input, weight, bias, output, p);
+        } else if (p.Wo > 16) {
+          launch<scalar_t, K, S, PlaneSize::Medium>(input, weight, bias, output, p);
+        } else {
+          launch<scalar_t, K, S, PlaneSize::Narrow>(input, weight, bias, output, p);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

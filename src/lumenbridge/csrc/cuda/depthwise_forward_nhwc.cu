@@ -1,0 +1,218 @@
+// Depthwise K x K forward, NHWC: a persistent, double-buffered pipeline of
+// shared-memory tiles with full halos (pipeline.cuh). Per tile: one barrier,
+// then an unrolled, branch-free K x K loop that reads only shared memory.
+//
+// A tile is an OW x OH block of output pixels of one image and a slab of 32
+// channels. Its input window, halo included, is copied into shared memory as
+// [row][pixel][32 channels] in the input dtype, with 16-byte chunks of
+// channels where C allows; pixels outside the image are zero-filled by the
+// copy itself.
+//
+// Threads run along channels, four each (one 16-byte fp32 or 8-byte half
+// shared read per pixel), so eight threads cover a pixel's slab. Each thread
+// computes V adjacent pixels in each of R rows. Pixel columns are stored
+// de-interleaved by V * S (column j at (j mod V*S) * span + j / (V*S)), so the
+// threads of a warp that step V * S pixels apart read adjacent pixels and hit
+// distinct banks.
+#include "common.cuh"
+#include "depthwise_forward.cuh"
+#include "pipeline.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+namespace {
+
+template <typename T, int K, int S>
+struct NhwcForwardTile {
+  static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
+  static constexpr int kSX = S == 1 ? 4 : 8, kSY = 8 * 4 / kSX;
+  static constexpr int kV = S == 1 ? 2 : 1, kRows = 2;
+  static constexpr int kThreads = kChannelThreads * kSX * kSY;
+  static constexpr int kOutW = kSX * kV, kOutH = kSY * kRows;
+  static constexpr int kPad = K / 2, kStride = S;
+  static constexpr int kInW = (kOutW - 1) * S + K, kInH = (kOutH - 1) * S + K;
+  static constexpr int kWays = kV * S;  // de-interleaving factor of pixel columns
+  static constexpr int kSpan = ceil_div(kInW, kWays);
+  static constexpr int kRowPixels = kWays * kSpan;
+  static constexpr int kElems = kInH * kRowPixels * kSlab;
+  static constexpr size_t kSharedBytes = 2 * kElems * sizeof(T);
+  __host__ __device__ static constexpr int column(int j) { return (j % kWays) * kSpan + j / kWays; }
+};
+
+// Copies the input window of the tile at output (oy0, ox0), channels
+// [c0, c0 + 32), of one image into `tile`.
+template <typename Tile, int CHUNK, typename T>
+__device__ __forceinline__ void load_nhwc_tile(T* __restrict__ tile, const T* __restrict__ image,
+                                               int H, int W, int C, int oy0, int ox0, int c0,
+                                               int tid) {
+  constexpr int kChunksPerPixel = Tile::kSlab / CHUNK;
+  constexpr int kItems = Tile::kInH * Tile::kInW * kChunksPerPixel;
+  const int iy0 = oy0 * Tile::kStride - Tile::kPad, ix0 = ox0 * Tile::kStride - Tile::kPad;
+#pragma unroll 4
+  for (int item = tid; item < kItems; item += Tile::kThreads) {
+    const int pixel = item / kChunksPerPixel;
+    const int q = item - pixel * kChunksPerPixel;
+    const int r = pixel / Tile::kInW;
+    const int j = pixel - r * Tile::kInW;
+    const int gy = iy0 + r, gx = ix0 + j, c = c0 + q * CHUNK;
+    const bool inside = gy >= 0 && gy < H && gx >= 0 && gx < W && c < C;
+    const T* src = inside ? image + (static_cast<int64_t>(gy) * W + gx) * C + c : image;
+    copy_chunk_async<T, CHUNK>(
+        tile + (r * Tile::kRowPixels + Tile::column(j)) * Tile::kSlab + q * CHUNK, src, inside);
+  }
+}
+
+// Register caps: 128 per thread for 3 x 3 (two 256-thread blocks per SM),
+// uncapped for the larger kernels' taps (K * K * 4 floats per thread).
+template <typename T, int K, int S>
+__global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2 : 1)
+    depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
+                                  const T* __restrict__ bias, T* __restrict__ output, int C,
+                                  int H, int W, int Ho, int Wo, int chunk, bool vector_stores,
+                                  TileSpace<4> space) {
+  using Tile = NhwcForwardTile<T, K, S>;
+  constexpr int V = Tile::kV, R = Tile::kRows, L = Tile::kLane;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* const buffers = reinterpret_cast<T*>(shared_bytes);
+  const int tid = threadIdx.x;
+  const int lane_c = tid % Tile::kChannelThreads;
+  const int sx = (tid / Tile::kChannelThreads) % Tile::kSX;
+  const int sy = tid / (Tile::kChannelThreads * Tile::kSX);
+
+  // Digits: channel slab, tile column, tile row, image. The grid is a
+  // multiple of the slab count, so a block's slab (and its taps) never change.
+  TileCursor<4> at(blockIdx.x, space);
+  const int c0 = at.digit[0] * Tile::kSlab;
+  const int c = c0 + lane_c * L;
+  auto load = [&](T* tile, const TileCursor<4>& t) {
+    dispatch_chunk<T>(chunk, [&](auto width) {
+      load_nhwc_tile<Tile, decltype(width)::value>(
+          tile, input + static_cast<int64_t>(t.digit[3]) * H * W * C, H, W, C,
+          t.digit[2] * Tile::kOutH, t.digit[1] * Tile::kOutW, c0, tid);
+    });
+  };
+
+  if (at.valid(space)) load(buffers, at);
+  cp_async_commit();
+
+  float w[K * K][L], b[L];
+#pragma unroll
+  for (int e = 0; e < L; ++e) {
+    const bool real = c + e < C;
+#pragma unroll
+    for (int i = 0; i < K * K; ++i) w[i][e] = real ? static_cast<float>(weight[(c + e) * K * K + i]) : 0.0f;
+    b[e] = real && bias != nullptr ? static_cast<float>(bias[c + e]) : 0.0f;
+  }
+
+  for (int stage = 0; at.valid(space); stage ^= 1) {
+    cp_async_wait_all();
+    __syncthreads();  // this tile has landed; every thread is done with the other buffer
+    TileCursor<4> next = at;
+    next.advance(space);
+    if (next.valid(space)) load(buffers + (stage ^ 1) * Tile::kElems, next);
+    cp_async_commit();
+
+    float acc[R][V][L];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+#pragma unroll
+        for (int e = 0; e < L; ++e) acc[r][v][e] = b[e];
+      }
+    }
+    const T* window = buffers + stage * Tile::kElems + sy * R * S * Tile::kRowPixels * Tile::kSlab +
+                      (sx * Tile::kSlab + lane_c * L);
+#pragma unroll
+    for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
+      float x[(V - 1) * S + K][L];
+#pragma unroll
+      for (int o = 0; o < (V - 1) * S + K; ++o) {
+        const Vec<T, L> pixel =
+            load_vec<T, L>(window + (ir * Tile::kRowPixels + Tile::column(o)) * Tile::kSlab);
+#pragma unroll
+        for (int e = 0; e < L; ++e) x[o][e] = static_cast<float>(pixel.v[e]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int ky = ir - r * S;  // compile-time once unrolled: no branch survives
+        if (ky >= 0 && ky < K) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+#pragma unroll
+            for (int kx = 0; kx < K; ++kx) {
+#pragma unroll
+              for (int e = 0; e < L; ++e) {
+                acc[r][v][e] = fmaf(w[ky * K + kx][e], x[v * S + kx][e], acc[r][v][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+
+    const int64_t image = at.digit[3];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int oy = at.digit[2] * Tile::kOutH + sy * R + r;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int ox = at.digit[1] * Tile::kOutW + sx * V + v;
+        if (oy >= Ho || ox >= Wo) continue;
+        T* dst = output + ((image * Ho + oy) * Wo + ox) * C + c;
+        if (vector_stores && c + L <= C) {
+          Vec<T, L> result;
+#pragma unroll
+          for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[r][v][e]);
+          store_vec<T, L>(dst, result);
+        } else {
+#pragma unroll
+          for (int e = 0; e < L; ++e) {
+            if (c + e < C) dst[e] = static_cast<T>(acc[r][v][e]);
+          }
+        }
+      }
+    }
+    at = next;
+  }
+}
+
+template <typename T, int K, int S>
+void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+            at::Tensor& output, const DepthwiseProblem& p) {
+  using Tile = NhwcForwardTile<T, K, S>;
+  auto kernel = depthwise_forward_nhwc_kernel<T, K, S>;
+  allow_shared_bytes(kernel, Tile::kSharedBytes);
+  const T* in = input.const_data_ptr<T>();
+  T* out = output.mutable_data_ptr<T>();
+  const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
+  const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
+  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes,
+                                           slabs * tiles_x * tiles_y * p.N, slabs);
+  const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
+  const bool vector_stores =
+      p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kLane * sizeof(T)) == 0;
+  kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
+      static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
+      static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in), vector_stores,
+      space);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void launch_depthwise_forward_nhwc(const at::Tensor& input, const at::Tensor& weight,
+                                   const at::Tensor& bias, at::Tensor& output,
+                                   const DepthwiseProblem& p) {
+  LUMENBRIDGE_DISPATCH_CUDA_TYPES(input.scalar_type(), "lumenbridge_depthwise_forward_nhwc", [&] {
+    dispatch_kernel_size(p.K, [&](auto k) {
+      dispatch_stride(p.stride, [&](auto s) {
+        launch<scalar_t, decltype(k)::value, decltype(s)::value>(input, weight, bias, output, p);
+      });
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -1,0 +1,157 @@
+// Persistent, double-buffered tile pipelines for the forward kernels.
+//
+// A block stays resident and walks its share of the tiles. While it computes
+// tile i from one shared-memory buffer, the asynchronous copy engine fills the
+// other with tile i + 1, so global-memory latency hides behind compute. Per
+// tile there is exactly one barrier: it both publishes the tile that just
+// landed and tells every thread that the previous tile's buffer is free.
+#pragma once
+
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <array>
+#include <atomic>
+
+#include "common.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+
+// Copies one chunk of CHUNK elements from global to shared memory, or writes
+// zeros when `inside` is false (the convolution's padding). Chunks of 4, 8 or
+// 16 bytes go through cp.async, whose zero-fill form needs no branch; a 2-byte
+// chunk (a lone half) is a plain load and store. `src` must be a valid address
+// even when `inside` is false; it is not read then.
+template <typename T, int CHUNK>
+__device__ __forceinline__ void copy_chunk_async(T* dst, const T* src, bool inside) {
+  constexpr int kBytes = CHUNK * static_cast<int>(sizeof(T));
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "unsupported chunk");
+  if constexpr (kBytes == 2) {
+    *dst = inside ? *src : T(0.0f);
+  } else {
+    const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int src_bytes = inside ? kBytes : 0;
+    if constexpr (kBytes == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src),
+                   "r"(src_bytes));
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared), "l"(src),
+                   "n"(kBytes), "r"(src_bytes));
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Global chunk widths the tile loaders are compiled for: a full 16-byte
+// vector, half of one, or one element. `chunk_width` picks the widest that
+// divides the contiguous extent and keeps the pointer aligned.
+template <typename T>
+struct ChunkWidths {
+  static constexpr int kFull = 16 / sizeof(T), kHalf = kFull / 2;
+};
+
+template <typename T>
+int chunk_width(int64_t extent, const void* base) {
+  for (int width : {ChunkWidths<T>::kFull, ChunkWidths<T>::kHalf}) {
+    if (extent % width == 0 && reinterpret_cast<uintptr_t>(base) % (width * sizeof(T)) == 0) {
+      return width;
+    }
+  }
+  return 1;
+}
+
+// Runs `body` with std::integral_constant<int, CHUNK> for the runtime width
+// from chunk_width; the branch is uniform across the grid.
+template <typename T, typename Body>
+__device__ __forceinline__ void dispatch_chunk(int width, Body&& body) {
+  if (width == ChunkWidths<T>::kFull) {
+    body(std::integral_constant<int, ChunkWidths<T>::kFull>{});
+  } else if (width == ChunkWidths<T>::kHalf) {
+    body(std::integral_constant<int, ChunkWidths<T>::kHalf>{});
+  } else {
+    body(std::integral_constant<int, 1>{});
+  }
+}
+
+// A position in a mixed-radix space of tiles (digit 0 varies fastest; the last
+// digit is the image and is unbounded). Blocks start at their block index and
+// advance by the grid size, added digit by digit with carries: no division in
+// the loop.
+template <int D>
+struct TileSpace {
+  int radix[D];  // extent of each digit (the last is the batch)
+  int step[D];   // the grid size written in this radix
+};
+
+template <int D>
+struct TileCursor {
+  int digit[D];
+
+  __device__ __forceinline__ explicit TileCursor(int64_t index, const TileSpace<D>& space) {
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) {
+      digit[d] = static_cast<int>(index % space.radix[d]);
+      index /= space.radix[d];
+    }
+    digit[D - 1] = static_cast<int>(index);
+  }
+
+  __device__ __forceinline__ bool valid(const TileSpace<D>& space) const {
+    return digit[D - 1] < space.radix[D - 1];
+  }
+
+  __device__ __forceinline__ void advance(const TileSpace<D>& space) {
+    int carry = 0;
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) {
+      digit[d] += space.step[d] + carry;
+      carry = digit[d] >= space.radix[d];
+      digit[d] -= carry ? space.radix[d] : 0;
+    }
+    digit[D - 1] += space.step[D - 1] + carry;
+  }
+};
+
+// The grid that keeps every SM full for one wave: resident blocks per SM
+// (from the occupancy calculator, cached per device) times the SM count, and
+// never more blocks than tiles. `multiple` rounds it down to a multiple, so
+// the fastest digit of a block's tiles never changes when step[0] is 0.
+template <typename Kernel>
+int64_t persistent_blocks(Kernel kernel, int threads, size_t shared_bytes, int64_t tiles,
+                          int64_t multiple) {
+  static std::array<std::atomic<int>, 64> resident_per_device{};  // blocks per SM times SMs
+  const int device = c10::cuda::current_device();
+  int resident = device < 64 ? resident_per_device[device].load() : 0;
+  if (resident == 0) {
+    int per_sm = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                                  shared_bytes));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a forward kernel cannot be resident");
+    resident = per_sm * sms;
+    if (device < 64) resident_per_device[device].store(resident);
+  }
+  const int64_t blocks = std::min<int64_t>(tiles, resident);
+  return std::max<int64_t>(multiple, blocks / multiple * multiple);
+}
+
+// The TileSpace for `radix` (last digit: the batch) and a grid of `blocks`.
+template <int D>
+TileSpace<D> tile_space(const std::array<int64_t, D>& radix, int64_t blocks) {
+  TileSpace<D> space;
+  int64_t rest = blocks;
+  for (int d = 0; d < D; ++d) {
+    // Digits stay below radix + blocks, which must fit an int.
+    TORCH_CHECK(radix[d] + blocks <= std::numeric_limits<int32_t>::max(),
+                "LumenBridge: problem too large for one CUDA launch (extent ", text(radix[d]), ")");
+    space.radix[d] = static_cast<int>(radix[d]);
+    space.step[d] = static_cast<int>(d < D - 1 ? rest % radix[d] : rest);
+    rest /= radix[d];
+  }
+  return space;
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -9,9 +9,9 @@ assert native.ready()
 ops = torch.ops.lumenbridge
 CASES = [  # (C, side, stride, dtype, memory format)
     (96, 112, 1, torch.float32, torch.contiguous_format),
-    (96, 112, 2, torch.bfloat16, torch.contiguous_format),
-    (96, 112, 1, torch.float32, torch.channels_last),
-    (96, 112, 2, torch.bfloat16, torch.channels_last),
+    (768, 56, 1, torch.float32, torch.contiguous_format),
+    (384, 28, 2, torch.bfloat16, torch.contiguous_format),
+    (192, 56, 2, torch.bfloat16, torch.channels_last),
 ]
 for c, side, stride, dtype, fmt in CASES:
     x = torch.randn(256, c, side, side, device="cuda", dtype=dtype).contiguous(memory_format=fmt)

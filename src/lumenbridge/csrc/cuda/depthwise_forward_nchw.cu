@@ -40,7 +40,8 @@ struct NchwForwardTile {
   // S * kOutW columns the tile steps over, and one unit for the right halo.
   static constexpr int kPitch = S * kOutW + 2 * kUnit;
   static constexpr int kElems = kInRows * kPitch;
-  static constexpr size_t kSharedBytes = 2 * kElems * sizeof(T);
+  static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
+  static constexpr size_t kSharedBytes = kStages * kElems * sizeof(T);
   // A thread's input window: kWindow elements from offset kFirst of its unit.
   static constexpr int kFirst = kUnit - kPad;
   static constexpr int kWindow = (kV - 1) * S + K;
@@ -50,21 +51,22 @@ struct NchwForwardTile {
 };
 
 // Copies the input window of the tile at output (oy0, ox0) into `tile`.
+// Chunk `item` lands at tile[item * CHUNK]: rows are exactly kPitch long.
 template <typename Tile, int CHUNK, typename T>
 __device__ __forceinline__ void load_nchw_tile(T* __restrict__ tile, const T* __restrict__ plane,
                                                int H, int W, int oy0, int ox0, int tid) {
-  constexpr int kChunksPerRow = Tile::kPitch / CHUNK;
-  constexpr int kItems = Tile::kInRows * kChunksPerRow;
+  constexpr unsigned kChunksPerRow = Tile::kPitch / CHUNK;
+  constexpr unsigned kItems = Tile::kInRows * kChunksPerRow;
   const int iy0 = oy0 * Tile::kStride - Tile::kPad;
   const int ix0 = ox0 * Tile::kStride - Tile::kUnit;
 #pragma unroll 4
-  for (int item = tid; item < kItems; item += Tile::kThreads) {
-    const int r = item / kChunksPerRow;
-    const int q = item - r * kChunksPerRow;
-    const int gy = iy0 + r, gx = ix0 + q * CHUNK;
-    const bool inside = gy >= 0 && gy < H && gx >= 0 && gx < W;
-    const T* src = inside ? plane + static_cast<int64_t>(gy) * W + gx : plane;
-    copy_chunk_async<T, CHUNK>(tile + r * Tile::kPitch + q * CHUNK, src, inside);
+  for (unsigned item = tid; item < kItems; item += Tile::kThreads) {
+    const unsigned r = item / kChunksPerRow, q = item % kChunksPerRow;
+    const int gy = iy0 + static_cast<int>(r), gx = ix0 + static_cast<int>(q * CHUNK);
+    const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
+                        static_cast<unsigned>(gx) < static_cast<unsigned>(W);
+    const int64_t offset = inside ? static_cast<int64_t>(gy) * W + gx : 0;
+    copy_chunk_async<T, CHUNK>(tile + item * CHUNK, plane + offset, inside);
   }
 }
 
@@ -86,7 +88,6 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
   const int C = space.radix[2];
 
   // Digits: tile column, tile row, channel, image.
-  TileCursor<4> at(blockIdx.x, space);
   auto plane_of = [&](const TileCursor<4>& t) {
     return static_cast<int64_t>(t.digit[3]) * C + t.digit[2];
   };
@@ -97,30 +98,23 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
           t.digit[0] * Tile::kOutW, tid);
     });
   };
-
-  if (at.valid(space)) load(buffers, at);
-  cp_async_commit();
-  for (int stage = 0; at.valid(space); stage ^= 1) {
-    const int c = at.digit[2];
-    float w[K * K];
+  // The channel's taps and bias, fetched before the tile's barrier so their
+  // latency overlaps the wait.
+  float w[K * K], b;
+  auto fetch_taps = [&](const TileCursor<4>& t) {
+    const int c = t.digit[2];  // in range even past the last tile
 #pragma unroll
     for (int i = 0; i < K * K; ++i) w[i] = static_cast<float>(weight[c * K * K + i]);
-    const float b = bias != nullptr ? static_cast<float>(bias[c]) : 0.0f;
-
-    cp_async_wait_all();
-    __syncthreads();  // this tile has landed; every thread is done with the other buffer
-    TileCursor<4> next = at;
-    next.advance(space);
-    if (next.valid(space)) load(buffers + (stage ^ 1) * Tile::kElems, next);
-    cp_async_commit();
-
+    b = bias != nullptr ? static_cast<float>(bias[c]) : 0.0f;
+  };
+  auto compute = [&](const T* tile, const TileCursor<4>& t) {
     float acc[R][V];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int v = 0; v < V; ++v) acc[r][v] = b;
     }
-    const T* window = buffers + stage * Tile::kElems + ty * R * S * Tile::kPitch + tx * U;
+    const T* window = tile + ty * R * S * Tile::kPitch + tx * U;
 #pragma unroll
     for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
       float x[Tile::kUnitsRead * U];
@@ -145,11 +139,11 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
       }
     }
 
-    T* out = output + plane_of(at) * Ho * Wo;
-    const int ox = at.digit[0] * Tile::kOutW + tx * V;
+    T* out = output + plane_of(t) * Ho * Wo;
+    const int ox = t.digit[0] * Tile::kOutW + tx * V;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int oy = at.digit[1] * Tile::kOutH + ty * R + r;
+      const int oy = t.digit[1] * Tile::kOutH + ty * R + r;
       if (oy >= Ho) continue;
       T* dst = out + static_cast<int64_t>(oy) * Wo + ox;
       if (vector_stores && ox + V <= Wo) {
@@ -164,8 +158,8 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
         }
       }
     }
-    at = next;
-  }
+  };
+  run_tile_pipeline<Tile::kStages>(space, buffers, Tile::kElems, load, fetch_taps, compute);
 }
 
 template <typename T, int K, int S, PlaneSize SIZE>

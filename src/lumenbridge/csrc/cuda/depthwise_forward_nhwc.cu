@@ -35,30 +35,35 @@ struct NhwcForwardTile {
   static constexpr int kSpan = ceil_div(kInW, kWays);
   static constexpr int kRowPixels = kWays * kSpan;
   static constexpr int kElems = kInH * kRowPixels * kSlab;
-  static constexpr size_t kSharedBytes = 2 * kElems * sizeof(T);
-  __host__ __device__ static constexpr int column(int j) { return (j % kWays) * kSpan + j / kWays; }
+  static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
+  static constexpr size_t kSharedBytes = kStages * kElems * sizeof(T);
+  __host__ __device__ static constexpr unsigned column(unsigned j) { return (j % kWays) * kSpan + j / kWays; }
 };
 
 // Copies the input window of the tile at output (oy0, ox0), channels
-// [c0, c0 + 32), of one image into `tile`.
+// [c0, c0 + 32), of one image into `tile`. kThreads is a multiple of the
+// chunks per pixel, so each thread always moves the same chunk of its pixels.
 template <typename Tile, int CHUNK, typename T>
 __device__ __forceinline__ void load_nhwc_tile(T* __restrict__ tile, const T* __restrict__ image,
                                                int H, int W, int C, int oy0, int ox0, int c0,
                                                int tid) {
-  constexpr int kChunksPerPixel = Tile::kSlab / CHUNK;
-  constexpr int kItems = Tile::kInH * Tile::kInW * kChunksPerPixel;
+  constexpr unsigned kChunksPerPixel = Tile::kSlab / CHUNK;
+  constexpr unsigned kPixels = Tile::kInH * Tile::kInW;
+  constexpr unsigned kPixelStep = Tile::kThreads / kChunksPerPixel;
+  static_assert(Tile::kThreads % kChunksPerPixel == 0, "a thread's chunk must not change");
   const int iy0 = oy0 * Tile::kStride - Tile::kPad, ix0 = ox0 * Tile::kStride - Tile::kPad;
+  const unsigned q = tid % kChunksPerPixel;
+  const int c = c0 + static_cast<int>(q * CHUNK);
+  T* const dst = tile + q * CHUNK;
 #pragma unroll 4
-  for (int item = tid; item < kItems; item += Tile::kThreads) {
-    const int pixel = item / kChunksPerPixel;
-    const int q = item - pixel * kChunksPerPixel;
-    const int r = pixel / Tile::kInW;
-    const int j = pixel - r * Tile::kInW;
-    const int gy = iy0 + r, gx = ix0 + j, c = c0 + q * CHUNK;
-    const bool inside = gy >= 0 && gy < H && gx >= 0 && gx < W && c < C;
-    const T* src = inside ? image + (static_cast<int64_t>(gy) * W + gx) * C + c : image;
-    copy_chunk_async<T, CHUNK>(
-        tile + (r * Tile::kRowPixels + Tile::column(j)) * Tile::kSlab + q * CHUNK, src, inside);
+  for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
+    const unsigned r = pixel / Tile::kInW, j = pixel % Tile::kInW;
+    const int gy = iy0 + static_cast<int>(r), gx = ix0 + static_cast<int>(j);
+    const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
+                        static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
+    const int64_t offset = inside ? (static_cast<int64_t>(gy) * W + gx) * C + c : 0;
+    copy_chunk_async<T, CHUNK>(dst + (r * Tile::kRowPixels + Tile::column(j)) * Tile::kSlab,
+                               image + offset, inside);
   }
 }
 
@@ -81,8 +86,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
 
   // Digits: channel slab, tile column, tile row, image. The grid is a
   // multiple of the slab count, so a block's slab (and its taps) never change.
-  TileCursor<4> at(blockIdx.x, space);
-  const int c0 = at.digit[0] * Tile::kSlab;
+  const int c0 = static_cast<int>(blockIdx.x % space.radix[0]) * Tile::kSlab;
   const int c = c0 + lane_c * L;
   auto load = [&](T* tile, const TileCursor<4>& t) {
     dispatch_chunk<T>(chunk, [&](auto width) {
@@ -91,9 +95,6 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
           t.digit[2] * Tile::kOutH, t.digit[1] * Tile::kOutW, c0, tid);
     });
   };
-
-  if (at.valid(space)) load(buffers, at);
-  cp_async_commit();
 
   float w[K * K][L], b[L];
 #pragma unroll
@@ -104,14 +105,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
     b[e] = real && bias != nullptr ? static_cast<float>(bias[c + e]) : 0.0f;
   }
 
-  for (int stage = 0; at.valid(space); stage ^= 1) {
-    cp_async_wait_all();
-    __syncthreads();  // this tile has landed; every thread is done with the other buffer
-    TileCursor<4> next = at;
-    next.advance(space);
-    if (next.valid(space)) load(buffers + (stage ^ 1) * Tile::kElems, next);
-    cp_async_commit();
-
+  auto compute = [&](const T* tile, const TileCursor<4>& t) {
     float acc[R][V][L];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -121,8 +115,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
         for (int e = 0; e < L; ++e) acc[r][v][e] = b[e];
       }
     }
-    const T* window = buffers + stage * Tile::kElems + sy * R * S * Tile::kRowPixels * Tile::kSlab +
-                      (sx * Tile::kSlab + lane_c * L);
+    const T* window = tile + sy * R * S * Tile::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
 #pragma unroll
     for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
       float x[(V - 1) * S + K][L];
@@ -151,13 +144,13 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
       }
     }
 
-    const int64_t image = at.digit[3];
+    const int64_t image = t.digit[3];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int oy = at.digit[2] * Tile::kOutH + sy * R + r;
+      const int oy = t.digit[2] * Tile::kOutH + sy * R + r;
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const int ox = at.digit[1] * Tile::kOutW + sx * V + v;
+        const int ox = t.digit[1] * Tile::kOutW + sx * V + v;
         if (oy >= Ho || ox >= Wo) continue;
         T* dst = output + ((image * Ho + oy) * Wo + ox) * C + c;
         if (vector_stores && c + L <= C) {
@@ -173,8 +166,9 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
         }
       }
     }
-    at = next;
-  }
+  };
+  run_tile_pipeline<Tile::kStages>(space, buffers, Tile::kElems, load, [](const TileCursor<4>&) {},
+                                   compute);
 }
 
 template <typename T, int K, int S>

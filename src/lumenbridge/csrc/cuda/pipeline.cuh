@@ -1,8 +1,8 @@
-// Persistent, double-buffered tile pipelines for the forward kernels.
+// Persistent, multi-buffered tile pipelines for the forward kernels.
 //
 // A block stays resident and walks its share of the tiles. While it computes
-// tile i from one shared-memory buffer, the asynchronous copy engine fills the
-// other with tile i + 1, so global-memory latency hides behind compute. Per
+// tile i from one shared-memory buffer, asynchronous copies fill the others
+// with the next tiles, so global-memory latency hides behind compute. Per
 // tile there is exactly one barrier: it both publishes the tile that just
 // landed and tells every thread that the previous tile's buffer is free.
 #pragma once
@@ -42,7 +42,13 @@ __device__ __forceinline__ void copy_chunk_async(T* dst, const T* src, bool insi
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Waits until at most PENDING of this thread's most recent copy groups are
+// still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 
 // Global chunk widths the tile loaders are compiled for: a full 16-byte
 // vector, half of one, or one element. `chunk_width` picks the widest that
@@ -113,6 +119,46 @@ struct TileCursor {
     digit[D - 1] += space.step[D - 1] + carry;
   }
 };
+
+// Tile buffers per block: three where a tile is at most 24 KB, so two tiles
+// are in flight while one is computed (the wait for a tile's copies was over
+// a third of the cycles with two buffers); two for larger tiles, so several
+// blocks still fit an SM.
+constexpr int pipeline_stages(size_t tile_bytes) { return tile_bytes <= 24 * 1024 ? 3 : 2; }
+
+// The pipeline itself. STAGES tile buffers of `elems` elements each: tiles
+// i + 1 .. i + STAGES - 1 are in flight while tile i is computed.
+//   load(buffer, cursor)     issues the asynchronous copies of one tile
+//   prepare(cursor)          per-tile setup that may start early (e.g. taps);
+//                            called with the next cursor, which may be past the end
+//   compute(buffer, cursor)  computes and stores one tile from shared memory
+template <int STAGES, int D, typename T, typename Load, typename Prepare, typename Compute>
+__device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, T* buffers, int elems,
+                                                  Load&& load, Prepare&& prepare,
+                                                  Compute&& compute) {
+  static_assert(STAGES >= 2, "double buffering at least");
+  TileCursor<D> at(blockIdx.x, space), ahead = at;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (ahead.valid(space)) load(buffers + s * elems, ahead);
+    cp_async_commit();  // empty groups keep the count uniform
+    ahead.advance(space);
+  }
+  prepare(at);
+  for (int stage = 0; at.valid(space); stage = stage + 1 == STAGES ? 0 : stage + 1) {
+    cp_async_wait_pending<STAGES - 2>();
+    // The one barrier per tile: tile i has landed for every thread, and every
+    // thread is done with tile i - 1, whose buffer now takes tile i + STAGES - 1.
+    __syncthreads();
+    const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
+    if (ahead.valid(space)) load(buffers + free_stage * elems, ahead);
+    cp_async_commit();
+    ahead.advance(space);
+    compute(buffers + stage * elems, at);
+    at.advance(space);
+    prepare(at);
+  }
+}
 
 // The grid that keeps every SM full for one wave: resident blocks per SM
 // (from the occupancy calculator, cached per device) times the SM count, and

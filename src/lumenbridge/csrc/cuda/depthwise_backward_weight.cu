@@ -6,19 +6,26 @@
 // channel (NCHW) or one 32-channel slab (NHWC) and reduces its partial sums in
 // a fixed tree; pass 2 sums the per-block partials in order. The split depends
 // only on the problem's shape, never on timing or the GPU.
+//
+// NCHW blocks load one tile at a time (tiles.cuh). NHWC blocks run their tiles
+// through the forward kernels' pipeline (pipeline.cuh, nhwc_tiles.cuh): each
+// tile's input window and grad_output block arrive in shared memory while the
+// previous tile is computed.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../gateway.h"
 #include "common.cuh"
+#include "nhwc_tiles.cuh"
 #include "tiles.cuh"
 
 namespace lumenbridge {
 namespace cuda {
 namespace {
 
-// Tiles per block in pass 1: enough work per block to amortize its final
-// reduction, while leaving thousands of blocks for large batches.
-constexpr int kTilesPerBlock = 8;
+// Tiles per block in pass 1: at least 8, enough to amortize a block's final
+// reduction, and more for large problems so that there are at most about
+// 1024 blocks per channel or slab.
+constexpr int64_t kMinTilesPerBlock = 8, kTargetChunks = 1024;
 
 // Sums `value` over the 32 lanes of a warp in a fixed order; lane 0 holds it.
 __device__ __forceinline__ float warp_sum(float value) {
@@ -42,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
                                           int Ho, int Wo, int tiles_x, int tiles_y,
-                                          int items, int chunks) {
+                                          int items, int tiles_per_block, int chunks) {
   using Tile = NchwWeightTile<K, S, VEC>;
   using Plane = typename Tile::Plane;
   constexpr int kSums = K * K + 1;  // taps, then the bias
@@ -59,8 +66,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kSums; ++i) acc[i] = 0.0f;
 
-  const int first = chunk * kTilesPerBlock;
-  const int last = min(first + kTilesPerBlock, items);
+  const int first = chunk * tiles_per_block;
+  const int last = min(first + tiles_per_block, items);
   for (int item = first; item < last; ++item) {
     const int64_t n = item / tiles;
     const int t = item - static_cast<int>(n) * tiles;
@@ -115,94 +122,132 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// NHWC: 32 channels (one per lane) x 8 warps; each warp owns one output row
-// of an 8 x 8 tile and walks its 8 columns.
+// NHWC: the forward's tile geometry. Each thread accumulates the taps and
+// bias of its four channels over the outputs it owns in every tile of the
+// block's run, reading each input pixel of its window once per row.
 template <typename T, int K, int S>
-struct NhwcWeightTile {
-  static constexpr int kChannels = 32, kOutW = 8, kOutH = kThreads / kChannels;
-  static constexpr int kInW = (kOutW - 1) * S + K, kInH = (kOutH - 1) * S + K;
-  static constexpr size_t kSharedBytes = sizeof(T) * kInH * kInW * kChannels;
+struct NhwcWeightTile : NhwcTile<K, S> {
+  using Input = typename NhwcTile<K, S>::Input;
+  using Output = typename NhwcTile<K, S>::Output;
+  static constexpr int kSums = K * K + 1;  // taps, then the bias
+  static constexpr int kWarps = NhwcTile<K, S>::kThreads / 32;
+  static constexpr int kElems = Input::kElems + Output::kElems;
+  static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
+  static constexpr size_t kPipelineBytes = kStages * kElems * sizeof(T);
+  static constexpr size_t kReduceBytes = sizeof(float) * kWarps * kSums * NhwcTile<K, S>::kSlab;
+  static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
 };
 
-template <typename T, int K, int S, int VEC>
-__global__ void __launch_bounds__(kThreads)
+// Register caps: 128 per thread for 3 x 3 (two 256-thread blocks per SM).
+template <typename T, int K, int S>
+__global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 : 1)
     depthwise_backward_weight_nhwc_kernel(const T* __restrict__ grad_output,
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
-                                          int Ho, int Wo, int tiles_x, int tiles_y,
-                                          int items, int chunks) {
+                                          int Ho, int Wo, int input_chunk, int grad_chunk,
+                                          TileSpace<3> space, int items, int tiles_per_block,
+                                          int chunks) {
   using Tile = NhwcWeightTile<T, K, S>;
-  constexpr int kCh = Tile::kChannels;
-  constexpr int kSums = K * K + 1;
+  using Input = typename Tile::Input;
+  using Output = typename Tile::Output;
+  constexpr int V = Tile::kV, R = Tile::kRows, L = Tile::kLane, kSums = Tile::kSums;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  T* tile = reinterpret_cast<T*>(shared_bytes);
-  __shared__ float warp_sums[Tile::kOutH][kCh];
-
+  T* const buffers = reinterpret_cast<T*>(shared_bytes);
+  const int tid = threadIdx.x;
+  const int lane_c = tid % Tile::kChannelThreads;
+  const int sx = (tid / Tile::kChannelThreads) % Tile::kSX;
+  const int sy = tid / (Tile::kChannelThreads * Tile::kSX);
   const int chunk = blockIdx.x;
-  const int slab = blockIdx.y;
-  const int lane = threadIdx.x, ly = threadIdx.y;
-  const int c0 = slab * kCh;
-  const int c = c0 + lane;
-  const int tiles = tiles_x * tiles_y;
+  const int c0 = static_cast<int>(blockIdx.y) * Tile::kSlab;
 
-  float acc[kSums];
-#pragma unroll
-  for (int i = 0; i < kSums; ++i) acc[i] = 0.0f;
+  // Digits: tile column, tile row, image.
+  auto load = [&](T* tile, const TileCursor<3>& t) {
+    const int oy0 = t.digit[1] * Tile::kOutH, ox0 = t.digit[0] * Tile::kOutW;
+    const int64_t n = t.digit[2];
+    dispatch_chunk<T>(input_chunk, [&](auto width) {
+      load_pixel_window<Input, Tile::kThreads, decltype(width)::value>(
+          tile, input + n * H * W * C, H, W, C, oy0 * S - Tile::kPad, ox0 * S - Tile::kPad, c0, tid);
+    });
+    // Outputs past the edge are zero-filled, so they add nothing.
+    dispatch_chunk<T>(grad_chunk, [&](auto width) {
+      load_pixel_window<Output, Tile::kThreads, decltype(width)::value>(
+          tile + Input::kElems, grad_output + n * Ho * Wo * C, Ho, Wo, C, oy0, ox0, c0, tid);
+    });
+  };
 
-  const int first = chunk * kTilesPerBlock;
-  const int last = min(first + kTilesPerBlock, items);
-  for (int item = first; item < last; ++item) {
-    const int64_t n = item / tiles;
-    const int t = item - static_cast<int>(n) * tiles;
-    const int oy0 = (t / tiles_x) * Tile::kOutH, ox0 = (t % tiles_x) * Tile::kOutW;
-    const int oy = oy0 + ly;
-
-    float g[Tile::kOutW];
+  float acc[kSums][L];
 #pragma unroll
-    for (int x = 0; x < Tile::kOutW; ++x) {
-      const int ox = ox0 + x;
-      g[x] = oy < Ho && ox < Wo && c < C
-                 ? static_cast<float>(grad_output[((n * Ho + oy) * Wo + ox) * C + c])
-                 : 0.0f;
-      acc[K * K] += g[x];
-    }
-    __syncthreads();
-    load_pixel_tile<T, Tile::kInH, Tile::kInW, kCh / VEC, VEC, kThreads>(
-        tile, input + n * H * W * C, H, W, C, oy0 * S - K / 2, ox0 * S - K / 2, c0,
-        ly * kCh + lane);
-    __syncthreads();
-
-    // Walk input columns once; each feeds the outputs whose window covers it.
+  for (int i = 0; i < kSums; ++i) {
 #pragma unroll
-    for (int ic = 0; ic < (Tile::kOutW - 1) * S + K; ++ic) {
-      float v[K];
+    for (int e = 0; e < L; ++e) acc[i][e] = 0.0f;
+  }
+  auto compute = [&](const T* tile, const TileCursor<3>&) {
+    float g[R][V][L];
+    const T* grad = tile + Input::kElems + lane_c * L;
 #pragma unroll
-      for (int ky = 0; ky < K; ++ky) {
-        v[ky] = static_cast<float>(tile[((ly * S + ky) * Tile::kInW + ic) * kCh + lane]);
-      }
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
-      for (int x = 0; x < Tile::kOutW; ++x) {
-        const int kx = ic - x * S;
-        if (kx >= 0 && kx < K) {
+      for (int v = 0; v < V; ++v) {
+        const Vec<T, L> value = load_vec<T, L>(
+            grad + ((sy * R + r) * Output::kRowPixels + Output::column(sx * V + v)) * Tile::kSlab);
 #pragma unroll
-          for (int ky = 0; ky < K; ++ky) acc[ky * K + kx] = fmaf(g[x], v[ky], acc[ky * K + kx]);
+        for (int e = 0; e < L; ++e) {
+          g[r][v][e] = static_cast<float>(value.v[e]);
+          acc[K * K][e] += g[r][v][e];
         }
       }
     }
-  }
+    const T* window = tile + sy * R * S * Input::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
+#pragma unroll
+    for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
+#pragma unroll
+      for (int o = 0; o < (V - 1) * S + K; ++o) {
+        const Vec<T, L> pixel =
+            load_vec<T, L>(window + (ir * Input::kRowPixels + Input::column(o)) * Tile::kSlab);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const int ky = ir - r * S, kx = o - v * S;  // compile-time once unrolled
+            if (ky >= 0 && ky < K && kx >= 0 && kx < K) {
+#pragma unroll
+              for (int e = 0; e < L; ++e) {
+                acc[ky * K + kx][e] = fmaf(g[r][v][e], static_cast<float>(pixel.v[e]), acc[ky * K + kx][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+  };
+  const int first = chunk * tiles_per_block;  // items fits an int (split_work)
+  run_tile_pipeline<Tile::kStages>(space, first, min(tiles_per_block, items - first), buffers,
+                                   Tile::kElems, load, [](const TileCursor<3>&) {}, compute);
 
-  // Sum the warps' rows in a fixed order, one tap at a time.
+  // Reduce in a fixed order: across the lanes of a warp that share channels
+  // (a fixed xor tree), then across warps through shared memory, which the
+  // tile buffers no longer need.
+  cp_async_wait_pending<0>();
+  __syncthreads();
+  float* sums = reinterpret_cast<float*>(shared_bytes);  // [warp][sum][channel]
+  const int warp = tid / 32, lane = tid % 32;
 #pragma unroll
   for (int i = 0; i < kSums; ++i) {
-    __syncthreads();
-    warp_sums[ly][lane] = acc[i];
-    __syncthreads();
-    if (ly == 0) {
-      float total = 0.0f;
 #pragma unroll
-      for (int w = 0; w < Tile::kOutH; ++w) total += warp_sums[w][lane];
-      if (c < C) partials[(static_cast<int64_t>(c) * chunks + chunk) * kSums + i] = total;
+    for (int e = 0; e < L; ++e) {
+      float value = acc[i][e];
+      value += __shfl_xor_sync(0xffffffffu, value, 8);
+      value += __shfl_xor_sync(0xffffffffu, value, 16);
+      if (lane < Tile::kChannelThreads) sums[(warp * kSums + i) * Tile::kSlab + lane * L + e] = value;
     }
+  }
+  __syncthreads();
+  for (int k = tid; k < kSums * Tile::kSlab; k += Tile::kThreads) {
+    const int i = k / Tile::kSlab, ch = k % Tile::kSlab;
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < Tile::kWarps; ++w) total += sums[(w * kSums + i) * Tile::kSlab + ch];
+    if (c0 + ch < C) partials[(static_cast<int64_t>(c0 + ch) * chunks + chunk) * kSums + i] = total;
   }
 }
 
@@ -224,10 +269,10 @@ __global__ void depthwise_weight_sum_partials_kernel(const float* __restrict__ p
   }
 }
 
-// How pass 1 splits one channel's work: `items` tiles over the batch, in
-// `chunks` runs of kTilesPerBlock. A function of the shape alone.
+// How pass 1 splits one channel's (or slab's) work: `items` tiles over the
+// batch, in `chunks` runs of `tiles_per_block`. A function of the shape alone.
 struct WorkSplit {
-  int tiles_x, tiles_y;
+  int tiles_x, tiles_y, tiles_per_block;
   int64_t items, chunks;
 };
 
@@ -240,37 +285,41 @@ WorkSplit split_work(const DepthwiseProblem& p) {
   TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
               "LumenBridge: batch too large for one weight-gradient launch (", text(split.items),
               " tiles)");
-  split.chunks = ceil_div64(split.items, kTilesPerBlock);
+  split.tiles_per_block =
+      static_cast<int>(std::max(kMinTilesPerBlock, ceil_div64(split.items, kTargetChunks)));
+  split.chunks = ceil_div64(split.items, split.tiles_per_block);
   return split;
 }
 
 template <typename T, int K, int S>
-void launch_pass1(const T* grad_output, const T* input, float* partials, const WorkSplit& split,
-                  const DepthwiseProblem& p, cudaStream_t stream) {
+void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, float* partials,
+                  const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
+  const T* go = grad_output.const_data_ptr<T>();
+  const T* in = input.const_data_ptr<T>();
   const int chunks = static_cast<int>(split.chunks);
   if (p.layout == Layout::NCHW) {
-    const int vec = vector_width<T>(4, p.W, {input});
+    const int vec = vector_width<T>(4, p.W, {in});
     dispatch_vector_width<4>(vec, [&](auto v) {
       using Tile = NchwWeightTile<K, S, decltype(v)::value>;
       depthwise_backward_weight_nchw_kernel<T, K, S, decltype(v)::value>
           <<<dim3(grid_x(split.chunks), grid_y(p.C, "channels")), dim3(Tile::kTX, Tile::kTY), 0,
-             stream>>>(grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x,
-                       split.tiles_y, static_cast<int>(split.items), chunks);
+             stream>>>(go, in, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x, split.tiles_y,
+                       static_cast<int>(split.items), split.tiles_per_block, chunks);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
     using Tile = NhwcWeightTile<T, K, S>;
-    const int slabs = ceil_div(static_cast<int>(p.C), Tile::kChannels);
-    const int vec = vector_width<T>(4, p.C, {input});
-    dispatch_vector_width<4>(vec, [&](auto v) {
-      auto kernel = depthwise_backward_weight_nhwc_kernel<T, K, S, decltype(v)::value>;
-      allow_shared_bytes(kernel, Tile::kSharedBytes);
-      kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")),
-               dim3(Tile::kChannels, Tile::kOutH), Tile::kSharedBytes, stream>>>(
-          grad_output, input, partials, p.C, p.H, p.W, p.Ho, p.Wo, split.tiles_x, split.tiles_y,
-          static_cast<int>(split.items), chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    auto kernel = depthwise_backward_weight_nhwc_kernel<T, K, S>;
+    allow_shared_bytes(kernel, Tile::kSharedBytes);
+    const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
+    const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
+    kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads,
+             Tile::kSharedBytes, stream>>>(
+        go, in, partials, static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
+        static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in),
+        chunk_width<T>(p.C, go), space, static_cast<int>(split.items), split.tiles_per_block,
+        chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
@@ -296,8 +345,8 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
         const int64_t chunks = std::max<int64_t>(split.chunks, 1);
         at::Tensor partials = at::zeros({p.C, chunks, taps + 1}, options.dtype(at::kFloat));
         if (split.chunks > 0) {
-          launch_pass1<T, K, S>(grad_output.const_data_ptr<T>(), input.const_data_ptr<T>(),
-                                partials.mutable_data_ptr<float>(), split, p, stream);
+          launch_pass1<T, K, S>(grad_output, input, partials.mutable_data_ptr<float>(), split, p,
+                                stream);
         }
         const int64_t sums = p.C * (taps + 1);
         depthwise_weight_sum_partials_kernel<T><<<grid_x(ceil_div64(sums, kThreads)), kThreads, 0, stream>>>(

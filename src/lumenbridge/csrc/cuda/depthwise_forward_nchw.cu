@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
     depthwise_forward_nchw_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int H,
                                   int W, int Ho, int Wo, int chunk, bool vector_stores,
-                                  TileSpace<4> space) {
+                                  TileSpace<4> space, int64_t tiles) {
   using Tile = NchwForwardTile<T, K, S, SIZE>;
   constexpr int V = Tile::kV, R = Tile::kRows, U = Tile::kUnit;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
       }
     }
   };
-  run_tile_pipeline<Tile::kStages>(space, buffers, Tile::kElems, load, fetch_taps, compute);
+  run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
+                                   Tile::kElems, load, fetch_taps, compute);
 }
 
 template <typename T, int K, int S, PlaneSize SIZE>
@@ -171,8 +172,8 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   const T* in = input.const_data_ptr<T>();
   T* out = output.mutable_data_ptr<T>();
   const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
-  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes,
-                                           tiles_x * tiles_y * p.C * p.N, 1);
+  const int64_t tiles = tiles_x * tiles_y * p.C * p.N;
+  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes, tiles, 1);
   const TileSpace<4> space = tile_space<4>({tiles_x, tiles_y, p.C, p.N}, blocks);
   // Whole V-wide output vectors are aligned when Wo is a multiple of V.
   const bool vector_stores =
@@ -180,7 +181,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho),
-      static_cast<int>(p.Wo), chunk_width<T>(p.W, in), vector_stores, space);
+      static_cast<int>(p.Wo), chunk_width<T>(p.W, in), vector_stores, space, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

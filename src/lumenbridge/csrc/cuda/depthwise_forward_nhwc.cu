@@ -1,71 +1,27 @@
-// Depthwise K x K forward, NHWC: a persistent, double-buffered pipeline of
-// shared-memory tiles with full halos (pipeline.cuh). Per tile: one barrier,
-// then an unrolled, branch-free K x K loop that reads only shared memory.
+// Depthwise K x K forward, NHWC: a persistent pipeline of shared-memory tiles
+// with full halos (pipeline.cuh). Per tile: one barrier, then an unrolled,
+// branch-free K x K loop that reads only shared memory.
 //
 // A tile is an OW x OH block of output pixels of one image and a slab of 32
-// channels. Its input window, halo included, is copied into shared memory as
-// [row][pixel][32 channels] in the input dtype, with 16-byte chunks of
-// channels where C allows; pixels outside the image are zero-filled by the
-// copy itself.
-//
-// Threads run along channels, four each (one 16-byte fp32 or 8-byte half
-// shared read per pixel), so eight threads cover a pixel's slab. Each thread
-// computes V adjacent pixels in each of R rows. Pixel columns are stored
-// de-interleaved by V * S (column j at (j mod V*S) * span + j / (V*S)), so the
-// threads of a warp that step V * S pixels apart read adjacent pixels and hit
-// distinct banks.
+// channels (geometry and loader in nhwc_tiles.cuh). Its input window, halo
+// included, is copied into shared memory in the input dtype, with 16-byte
+// chunks of channels where C allows; pixels outside the image are
+// zero-filled by the copy itself.
 #include "common.cuh"
 #include "depthwise_forward.cuh"
-#include "pipeline.cuh"
+#include "nhwc_tiles.cuh"
 
 namespace lumenbridge {
 namespace cuda {
 namespace {
 
 template <typename T, int K, int S>
-struct NhwcForwardTile {
-  static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
-  static constexpr int kSX = S == 1 ? 4 : 8, kSY = 8 * 4 / kSX;
-  static constexpr int kV = S == 1 ? 2 : 1, kRows = 2;
-  static constexpr int kThreads = kChannelThreads * kSX * kSY;
-  static constexpr int kOutW = kSX * kV, kOutH = kSY * kRows;
-  static constexpr int kPad = K / 2, kStride = S;
-  static constexpr int kInW = (kOutW - 1) * S + K, kInH = (kOutH - 1) * S + K;
-  static constexpr int kWays = kV * S;  // de-interleaving factor of pixel columns
-  static constexpr int kSpan = ceil_div(kInW, kWays);
-  static constexpr int kRowPixels = kWays * kSpan;
-  static constexpr int kElems = kInH * kRowPixels * kSlab;
+struct NhwcForwardTile : NhwcTile<K, S> {
+  using Input = typename NhwcTile<K, S>::Input;
+  static constexpr int kElems = Input::kElems;
   static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
   static constexpr size_t kSharedBytes = kStages * kElems * sizeof(T);
-  __host__ __device__ static constexpr unsigned column(unsigned j) { return (j % kWays) * kSpan + j / kWays; }
 };
-
-// Copies the input window of the tile at output (oy0, ox0), channels
-// [c0, c0 + 32), of one image into `tile`. kThreads is a multiple of the
-// chunks per pixel, so each thread always moves the same chunk of its pixels.
-template <typename Tile, int CHUNK, typename T>
-__device__ __forceinline__ void load_nhwc_tile(T* __restrict__ tile, const T* __restrict__ image,
-                                               int H, int W, int C, int oy0, int ox0, int c0,
-                                               int tid) {
-  constexpr unsigned kChunksPerPixel = Tile::kSlab / CHUNK;
-  constexpr unsigned kPixels = Tile::kInH * Tile::kInW;
-  constexpr unsigned kPixelStep = Tile::kThreads / kChunksPerPixel;
-  static_assert(Tile::kThreads % kChunksPerPixel == 0, "a thread's chunk must not change");
-  const int iy0 = oy0 * Tile::kStride - Tile::kPad, ix0 = ox0 * Tile::kStride - Tile::kPad;
-  const unsigned q = tid % kChunksPerPixel;
-  const int c = c0 + static_cast<int>(q * CHUNK);
-  T* const dst = tile + q * CHUNK;
-#pragma unroll 4
-  for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
-    const unsigned r = pixel / Tile::kInW, j = pixel % Tile::kInW;
-    const int gy = iy0 + static_cast<int>(r), gx = ix0 + static_cast<int>(j);
-    const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
-                        static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
-    const int64_t offset = inside ? (static_cast<int64_t>(gy) * W + gx) * C + c : 0;
-    copy_chunk_async<T, CHUNK>(dst + (r * Tile::kRowPixels + Tile::column(j)) * Tile::kSlab,
-                               image + offset, inside);
-  }
-}
 
 // Register caps: 128 per thread for 3 x 3 (two 256-thread blocks per SM),
 // uncapped for the larger kernels' taps (K * K * 4 floats per thread).
@@ -74,8 +30,9 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
     depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
                                   int H, int W, int Ho, int Wo, int chunk, bool vector_stores,
-                                  TileSpace<4> space) {
+                                  TileSpace<4> space, int64_t tiles) {
   using Tile = NhwcForwardTile<T, K, S>;
+  using Input = typename Tile::Input;
   constexpr int V = Tile::kV, R = Tile::kRows, L = Tile::kLane;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
@@ -90,9 +47,9 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
   const int c = c0 + lane_c * L;
   auto load = [&](T* tile, const TileCursor<4>& t) {
     dispatch_chunk<T>(chunk, [&](auto width) {
-      load_nhwc_tile<Tile, decltype(width)::value>(
+      load_pixel_window<Input, Tile::kThreads, decltype(width)::value>(
           tile, input + static_cast<int64_t>(t.digit[3]) * H * W * C, H, W, C,
-          t.digit[2] * Tile::kOutH, t.digit[1] * Tile::kOutW, c0, tid);
+          t.digit[2] * Tile::kOutH * S - Tile::kPad, t.digit[1] * Tile::kOutW * S - Tile::kPad, c0, tid);
     });
   };
 
@@ -115,14 +72,14 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
         for (int e = 0; e < L; ++e) acc[r][v][e] = b[e];
       }
     }
-    const T* window = tile + sy * R * S * Tile::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
+    const T* window = tile + sy * R * S * Input::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
 #pragma unroll
     for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
       float x[(V - 1) * S + K][L];
 #pragma unroll
       for (int o = 0; o < (V - 1) * S + K; ++o) {
         const Vec<T, L> pixel =
-            load_vec<T, L>(window + (ir * Tile::kRowPixels + Tile::column(o)) * Tile::kSlab);
+            load_vec<T, L>(window + (ir * Input::kRowPixels + Input::column(o)) * Tile::kSlab);
 #pragma unroll
         for (int e = 0; e < L; ++e) x[o][e] = static_cast<float>(pixel.v[e]);
       }
@@ -167,8 +124,8 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
       }
     }
   };
-  run_tile_pipeline<Tile::kStages>(space, buffers, Tile::kElems, load, [](const TileCursor<4>&) {},
-                                   compute);
+  run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
+                                   Tile::kElems, load, [](const TileCursor<4>&) {}, compute);
 }
 
 template <typename T, int K, int S>
@@ -181,8 +138,8 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   T* out = output.mutable_data_ptr<T>();
   const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
-  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes,
-                                           slabs * tiles_x * tiles_y * p.N, slabs);
+  const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
+  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
   const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
   const bool vector_stores =
       p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kLane * sizeof(T)) == 0;
@@ -190,7 +147,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
       static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in), vector_stores,
-      space);
+      space, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

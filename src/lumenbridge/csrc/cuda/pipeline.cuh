@@ -82,13 +82,12 @@ __device__ __forceinline__ void dispatch_chunk(int width, Body&& body) {
 }
 
 // A position in a mixed-radix space of tiles (digit 0 varies fastest; the last
-// digit is the image and is unbounded). Blocks start at their block index and
-// advance by the grid size, added digit by digit with carries: no division in
-// the loop.
+// digit, the image, is unbounded). A cursor advances by a fixed step, added
+// digit by digit with carries: no division in the loop.
 template <int D>
 struct TileSpace {
   int radix[D];  // extent of each digit (the last is the batch)
-  int step[D];   // the grid size written in this radix
+  int step[D];   // the step written in this radix
 };
 
 template <int D>
@@ -102,10 +101,6 @@ struct TileCursor {
       index /= space.radix[d];
     }
     digit[D - 1] = static_cast<int>(index);
-  }
-
-  __device__ __forceinline__ bool valid(const TileSpace<D>& space) const {
-    return digit[D - 1] < space.radix[D - 1];
   }
 
   __device__ __forceinline__ void advance(const TileSpace<D>& space) {
@@ -126,38 +121,47 @@ struct TileCursor {
 // blocks still fit an SM.
 constexpr int pipeline_stages(size_t tile_bytes) { return tile_bytes <= 24 * 1024 ? 3 : 2; }
 
-// The pipeline itself. STAGES tile buffers of `elems` elements each: tiles
+// The pipeline itself: `count` tiles, the first at index `first`, each next
+// one space.step further. STAGES tile buffers of `elems` elements: tiles
 // i + 1 .. i + STAGES - 1 are in flight while tile i is computed.
 //   load(buffer, cursor)     issues the asynchronous copies of one tile
 //   prepare(cursor)          per-tile setup that may start early (e.g. taps);
-//                            called with the next cursor, which may be past the end
-//   compute(buffer, cursor)  computes and stores one tile from shared memory
+//                            also called once past the last tile (digits stay in range)
+//   compute(buffer, cursor)  computes one tile from shared memory
 template <int STAGES, int D, typename T, typename Load, typename Prepare, typename Compute>
-__device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, T* buffers, int elems,
-                                                  Load&& load, Prepare&& prepare,
-                                                  Compute&& compute) {
+__device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, int64_t first, int count,
+                                                  T* buffers, int elems, Load&& load,
+                                                  Prepare&& prepare, Compute&& compute) {
   static_assert(STAGES >= 2, "double buffering at least");
-  TileCursor<D> at(blockIdx.x, space), ahead = at;
+  TileCursor<D> at(first, space), ahead = at;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (ahead.valid(space)) load(buffers + s * elems, ahead);
+    if (s < count) load(buffers + s * elems, ahead);
     cp_async_commit();  // empty groups keep the count uniform
     ahead.advance(space);
   }
   prepare(at);
-  for (int stage = 0; at.valid(space); stage = stage + 1 == STAGES ? 0 : stage + 1) {
+  int stage = 0;
+  for (int i = 0; i < count; ++i) {
     cp_async_wait_pending<STAGES - 2>();
     // The one barrier per tile: tile i has landed for every thread, and every
     // thread is done with tile i - 1, whose buffer now takes tile i + STAGES - 1.
     __syncthreads();
     const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
-    if (ahead.valid(space)) load(buffers + free_stage * elems, ahead);
+    if (i + STAGES - 1 < count) load(buffers + free_stage * elems, ahead);
     cp_async_commit();
     ahead.advance(space);
     compute(buffers + stage * elems, at);
     at.advance(space);
     prepare(at);
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
+}
+
+// Tiles a persistent block walks: indices blockIdx.x, blockIdx.x + gridDim.x,
+// ... below `total`.
+__device__ __forceinline__ int persistent_tile_count(int64_t total) {
+  return static_cast<int>((total - 1 - blockIdx.x) / gridDim.x + 1);
 }
 
 // The grid that keeps every SM full for one wave: resident blocks per SM
@@ -183,14 +187,14 @@ int64_t persistent_blocks(Kernel kernel, int threads, size_t shared_bytes, int64
   return std::max<int64_t>(multiple, blocks / multiple * multiple);
 }
 
-// The TileSpace for `radix` (last digit: the batch) and a grid of `blocks`.
+// The TileSpace for `radix` (last digit: the batch) with steps of `step` tiles.
 template <int D>
-TileSpace<D> tile_space(const std::array<int64_t, D>& radix, int64_t blocks) {
+TileSpace<D> tile_space(const std::array<int64_t, D>& radix, int64_t step) {
   TileSpace<D> space;
-  int64_t rest = blocks;
+  int64_t rest = step;
   for (int d = 0; d < D; ++d) {
-    // Digits stay below radix + blocks, which must fit an int.
-    TORCH_CHECK(radix[d] + blocks <= std::numeric_limits<int32_t>::max(),
+    // Digits stay below radix + step, which must fit an int.
+    TORCH_CHECK(radix[d] + step <= std::numeric_limits<int32_t>::max(),
                 "LumenBridge: problem too large for one CUDA launch (extent ", text(radix[d]), ")");
     space.radix[d] = static_cast<int>(radix[d]);
     space.step[d] = static_cast<int>(d < D - 1 ? rest % radix[d] : rest);

@@ -1,0 +1,70 @@
+// NHWC tile geometry and loader shared by the forward and weight-gradient
+// kernels.
+//
+// Threads run along channels, four each (one 16-byte fp32 or 8-byte half
+// shared read per pixel), so eight threads cover a pixel's slab of 32
+// channels. The other threads tile the output plane: each computes V adjacent
+// pixels in each of R rows. Pixel columns in shared memory are stored
+// de-interleaved (column j at (j mod WAYS) * span + j / WAYS), so the threads
+// of a warp that step WAYS pixels apart read adjacent pixels and hit distinct
+// banks.
+#pragma once
+
+#include "pipeline.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+
+// ROWS x COLS pixels of a slab of SLAB channels, as [row][column][channel].
+template <int ROWS, int COLS, int WAYS, int SLAB>
+struct PixelWindow {
+  static constexpr int kRows = ROWS, kCols = COLS, kSlab = SLAB;
+  static constexpr int kSpan = ceil_div(COLS, WAYS);
+  static constexpr int kRowPixels = WAYS * kSpan;
+  static constexpr int kElems = ROWS * kRowPixels * SLAB;
+  __host__ __device__ static constexpr unsigned column(unsigned j) { return (j % WAYS) * kSpan + j / WAYS; }
+};
+
+template <int K, int S>
+struct NhwcTile {
+  static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
+  static constexpr int kSX = S == 1 ? 4 : 8, kSY = 8 * 4 / kSX;
+  static constexpr int kV = S == 1 ? 2 : 1, kRows = 2;
+  static constexpr int kThreads = kChannelThreads * kSX * kSY;
+  static constexpr int kOutW = kSX * kV, kOutH = kSY * kRows;
+  static constexpr int kPad = K / 2;
+  // The input window of an output tile, halo included.
+  using Input = PixelWindow<(kOutH - 1) * S + K, (kOutW - 1) * S + K, kV * S, kSlab>;
+  // The output tile itself (the weight gradient reads grad_output through it).
+  using Output = PixelWindow<kOutH, kOutW, kV, kSlab>;
+};
+
+// Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),
+// of one H x W x C image into `tile`; pixels and channels outside the image
+// are zero-filled. THREADS is a multiple of the chunks per pixel, so each
+// thread always moves the same chunk of its pixels.
+template <typename Window, int THREADS, int CHUNK, typename T>
+__device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
+                                                  int H, int W, int C, int y0, int x0, int c0,
+                                                  int tid) {
+  constexpr unsigned kChunksPerPixel = Window::kSlab / CHUNK;
+  constexpr unsigned kPixels = Window::kRows * Window::kCols;
+  constexpr unsigned kPixelStep = THREADS / kChunksPerPixel;
+  static_assert(THREADS % kChunksPerPixel == 0, "a thread's chunk must not change");
+  const unsigned q = tid % kChunksPerPixel;
+  const int c = c0 + static_cast<int>(q * CHUNK);
+  T* const dst = tile + q * CHUNK;
+#pragma unroll 4
+  for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
+    const unsigned r = pixel / Window::kCols, j = pixel % Window::kCols;
+    const int gy = y0 + static_cast<int>(r), gx = x0 + static_cast<int>(j);
+    const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
+                        static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
+    const int64_t offset = inside ? (static_cast<int64_t>(gy) * W + gx) * C + c : 0;
+    copy_chunk_async<T, CHUNK>(dst + (r * Window::kRowPixels + Window::column(j)) * Window::kSlab,
+                               image + offset, inside);
+  }
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -1,4 +1,4 @@
-// Depthwise K x K forward, NCHW: a persistent, double-buffered pipeline of
+// Depthwise K x K forward, NCHW: a persistent, multi-buffered pipeline of
 // shared-memory tiles with full halos (pipeline.cuh). Per tile: one barrier,
 // then an unrolled, branch-free K x K loop that reads only shared memory.
 //
@@ -23,7 +23,7 @@ namespace {
 // Output tile extents by plane width: wide planes take 64-wide tiles, planes
 // at most 32 or 16 wide take 32- or 16-wide ones, so few lanes idle at the
 // right edge. Tall tiles amortize the K - 1 halo rows; stride-2 tiles are
-// shorter so two buffers still fit several blocks per SM.
+// shorter so their buffers still fit several blocks per SM.
 enum class PlaneSize { Wide, Medium, Narrow };
 
 template <typename T, int K, int S, PlaneSize SIZE>
@@ -70,8 +70,8 @@ __device__ __forceinline__ void load_nchw_tile(T* __restrict__ tile, const T* __
   }
 }
 
-// Register caps: 64 per thread for 3 x 3 (four 256-thread blocks per SM, as
-// many as two tile buffers leave room for), 128 for the larger kernels' taps.
+// Register caps: 64 per thread for 3 x 3 (four 256-thread blocks per SM),
+// 128 for the larger kernels' taps.
 template <typename T, int K, int S, PlaneSize SIZE>
 __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
                                   (K == 3 ? 1024 : 512) / NchwForwardTile<T, K, S, SIZE>::kThreads)

@@ -7,8 +7,9 @@
 //
 // Stride-2 readers touch every other column; storing even and odd columns in
 // separate halves (`Deinterleave`) makes those reads consecutive in shared
-// memory, so a warp hits distinct banks. The backward kernels use these
-// tiles; the forward kernels use the pipelined tiles of pipeline.cuh.
+// memory, so a warp hits distinct banks. The stride-2 input gradient and the
+// NCHW weight gradient use these tiles; the forward kernels and the NHWC
+// weight gradient use the pipelined tiles of pipeline.cuh and nhwc_tiles.cuh.
 #pragma once
 
 #include "common.cuh"

@@ -167,13 +167,13 @@ template <typename T, int K, int S, PlaneSize SIZE>
 void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
             at::Tensor& output, const DepthwiseProblem& p) {
   using Tile = NchwForwardTile<T, K, S, SIZE>;
-  auto kernel = depthwise_forward_nchw_kernel<T, K, S, SIZE>;
+  constexpr auto kernel = depthwise_forward_nchw_kernel<T, K, S, SIZE>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const T* in = input.const_data_ptr<T>();
   T* out = output.mutable_data_ptr<T>();
   const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
   const int64_t tiles = tiles_x * tiles_y * p.C * p.N;
-  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes, tiles, 1);
+  const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, 1);
   const TileSpace<4> space = tile_space<4>({tiles_x, tiles_y, p.C, p.N}, blocks);
   // Whole V-wide output vectors are aligned when Wo is a multiple of V.
   const bool vector_stores =

@@ -132,14 +132,14 @@ template <typename T, int K, int S>
 void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
             at::Tensor& output, const DepthwiseProblem& p) {
   using Tile = NhwcForwardTile<T, K, S>;
-  auto kernel = depthwise_forward_nhwc_kernel<T, K, S>;
+  constexpr auto kernel = depthwise_forward_nhwc_kernel<T, K, S>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const T* in = input.const_data_ptr<T>();
   T* out = output.mutable_data_ptr<T>();
   const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const int64_t tiles_x = ceil_div64(p.Wo, Tile::kOutW), tiles_y = ceil_div64(p.Ho, Tile::kOutH);
   const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
-  const int64_t blocks = persistent_blocks(kernel, Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
+  const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
   const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
   const bool vector_stores =
       p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kLane * sizeof(T)) == 0;

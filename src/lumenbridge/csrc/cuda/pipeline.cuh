@@ -165,18 +165,19 @@ __device__ __forceinline__ int persistent_tile_count(int64_t total) {
 }
 
 // The grid that keeps every SM full for one wave: resident blocks per SM
-// (from the occupancy calculator, cached per device) times the SM count, and
-// never more blocks than tiles. `multiple` rounds it down to a multiple, so
-// the fastest digit of a block's tiles never changes when step[0] is 0.
-template <typename Kernel>
-int64_t persistent_blocks(Kernel kernel, int threads, size_t shared_bytes, int64_t tiles,
-                          int64_t multiple) {
+// (from the occupancy calculator) times the SM count, and never more blocks
+// than tiles. `multiple` rounds it down to a multiple, so the fastest digit of
+// a block's tiles never changes when step[0] is 0. KERNEL is a template
+// argument so that each kernel (its own block size and shared memory) keeps
+// its own cached count per device.
+template <auto KERNEL>
+int64_t persistent_blocks(int threads, size_t shared_bytes, int64_t tiles, int64_t multiple) {
   static std::array<std::atomic<int>, 64> resident_per_device{};  // blocks per SM times SMs
   const int device = c10::cuda::current_device();
   int resident = device < 64 ? resident_per_device[device].load() : 0;
   if (resident == 0) {
     int per_sm = 0, sms = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, KERNEL, threads,
                                                                   shared_bytes));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a forward kernel cannot be resident");

@@ -154,9 +154,7 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
-  const int lane_c = tid % Tile::kChannelThreads;
-  const int sx = (tid / Tile::kChannelThreads) % Tile::kSX;
-  const int sy = tid / (Tile::kChannelThreads * Tile::kSX);
+  const typename Tile::Thread me(tid);
   const int chunk = blockIdx.x;
   const int c0 = static_cast<int>(blockIdx.y) * Tile::kSlab;
 
@@ -183,13 +181,13 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
   }
   auto compute = [&](const T* tile, const TileCursor<3>&) {
     float g[R][V][L];
-    const T* grad = tile + Input::kElems + lane_c * L;
+    const T* grad = tile + Input::kElems + me.lane_c * L;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         const Vec<T, L> value = load_vec<T, L>(
-            grad + ((sy * R + r) * Output::kRowPixels + Output::column(sx * V + v)) * Tile::kSlab);
+            grad + ((me.sy * R + r) * Output::kRowPixels + Output::column(me.sx * V + v)) * Tile::kSlab);
 #pragma unroll
         for (int e = 0; e < L; ++e) {
           g[r][v][e] = static_cast<float>(value.v[e]);
@@ -197,13 +195,12 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
         }
       }
     }
-    const T* window = tile + sy * R * S * Input::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
+    const T* window = tile + me.input_window();
 #pragma unroll
     for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
 #pragma unroll
       for (int o = 0; o < (V - 1) * S + K; ++o) {
-        const Vec<T, L> pixel =
-            load_vec<T, L>(window + (ir * Input::kRowPixels + Input::column(o)) * Tile::kSlab);
+        const Vec<T, L> pixel = Tile::input_pixel(window, ir, o);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll

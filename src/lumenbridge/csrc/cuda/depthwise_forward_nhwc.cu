@@ -37,14 +37,12 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
-  const int lane_c = tid % Tile::kChannelThreads;
-  const int sx = (tid / Tile::kChannelThreads) % Tile::kSX;
-  const int sy = tid / (Tile::kChannelThreads * Tile::kSX);
+  const typename Tile::Thread me(tid);
 
   // Digits: channel slab, tile column, tile row, image. The grid is a
   // multiple of the slab count, so a block's slab (and its taps) never change.
   const int c0 = static_cast<int>(blockIdx.x % space.radix[0]) * Tile::kSlab;
-  const int c = c0 + lane_c * L;
+  const int c = c0 + me.lane_c * L;
   auto load = [&](T* tile, const TileCursor<4>& t) {
     dispatch_chunk<T>(chunk, [&](auto width) {
       load_pixel_window<Input, Tile::kThreads, decltype(width)::value>(
@@ -72,14 +70,13 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
         for (int e = 0; e < L; ++e) acc[r][v][e] = b[e];
       }
     }
-    const T* window = tile + sy * R * S * Input::kRowPixels * Tile::kSlab + (sx * Tile::kSlab + lane_c * L);
+    const T* window = tile + me.input_window();
 #pragma unroll
     for (int ir = 0; ir < (R - 1) * S + K; ++ir) {
       float x[(V - 1) * S + K][L];
 #pragma unroll
       for (int o = 0; o < (V - 1) * S + K; ++o) {
-        const Vec<T, L> pixel =
-            load_vec<T, L>(window + (ir * Input::kRowPixels + Input::column(o)) * Tile::kSlab);
+        const Vec<T, L> pixel = Tile::input_pixel(window, ir, o);
 #pragma unroll
         for (int e = 0; e < L; ++e) x[o][e] = static_cast<float>(pixel.v[e]);
       }
@@ -104,10 +101,10 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
     const int64_t image = t.digit[3];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int oy = t.digit[2] * Tile::kOutH + sy * R + r;
+      const int oy = t.digit[2] * Tile::kOutH + me.sy * R + r;
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const int ox = t.digit[1] * Tile::kOutW + sx * V + v;
+        const int ox = t.digit[1] * Tile::kOutW + me.sx * V + v;
         if (oy >= Ho || ox >= Wo) continue;
         T* dst = output + ((image * Ho + oy) * Wo + ox) * C + c;
         if (vector_stores && c + L <= C) {

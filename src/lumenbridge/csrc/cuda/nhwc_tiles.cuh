@@ -37,6 +37,27 @@ struct NhwcTile {
   using Input = PixelWindow<(kOutH - 1) * S + K, (kOutW - 1) * S + K, kV * S, kSlab>;
   // The output tile itself (the weight gradient reads grad_output through it).
   using Output = PixelWindow<kOutH, kOutW, kV, kSlab>;
+
+  // A thread's place in the tile: its four channels (lane_c) and the V x R
+  // output pixels at column sx, row sy of the thread grid.
+  struct Thread {
+    int lane_c, sx, sy;
+    __device__ explicit Thread(int tid)
+        : lane_c(tid % kChannelThreads), sx((tid / kChannelThreads) % kSX),
+          sy(tid / (kChannelThreads * kSX)) {}
+    // Where this thread's input window (first row, first column, its
+    // channels) starts in an Input tile. Column sx * V * S + o of the window is
+    // stored at Input::column(o) + sx, since V * S is the de-interleaving factor.
+    __device__ int input_window() const {
+      return (sy * kRows * S * Input::kRowPixels + sx) * kSlab + lane_c * kLane;
+    }
+  };
+
+  // This thread's channels of pixel (row, column) of its input window.
+  template <typename T>
+  __device__ static Vec<T, kLane> input_pixel(const T* window, int row, int column) {
+    return load_vec<T, kLane>(window + (row * Input::kRowPixels + Input::column(column)) * kSlab);
+  }
 };
 
 // Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),

@@ -61,9 +61,7 @@ struct ChunkWidths {
 template <typename T>
 int chunk_width(int64_t extent, const void* base) {
   for (int width : {ChunkWidths<T>::kFull, ChunkWidths<T>::kHalf}) {
-    if (extent % width == 0 && reinterpret_cast<uintptr_t>(base) % (width * sizeof(T)) == 0) {
-      return width;
-    }
+    if (vector_width<T>(width, extent, {base}) == width) return width;
   }
   return 1;
 }

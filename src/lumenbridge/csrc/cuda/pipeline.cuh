@@ -1,4 +1,5 @@
-// Persistent, multi-buffered tile pipelines for the forward kernels.
+// Persistent, multi-buffered tile pipelines for the forward kernels and the
+// NHWC weight gradient.
 //
 // A block stays resident and walks its share of the tiles. While it computes
 // tile i from one shared-memory buffer, asynchronous copies fill the others
@@ -114,9 +115,9 @@ struct TileCursor {
 };
 
 // Tile buffers per block: three where a tile is at most 24 KB, so two tiles
-// are in flight while one is computed (the wait for a tile's copies was over
-// a third of the cycles with two buffers); two for larger tiles, so several
-// blocks still fit an SM.
+// are in flight while one is computed (measured no slower than two, within
+// noise: benchmarks/NOTES.md step 7); two for larger tiles, so several blocks
+// still fit an SM.
 constexpr int pipeline_stages(size_t tile_bytes) { return tile_bytes <= 24 * 1024 ? 3 : 2; }
 
 // The pipeline itself: `count` tiles, the first at index `first`, each next

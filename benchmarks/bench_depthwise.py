@@ -57,16 +57,23 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def cudnn_backward(grad, x, w, stride):
+def cudnn_backward(grad, x, w, stride, mask=(True, True)):
+    """cuDNN's gradients; mask picks (grad_input, grad_weight)."""
     return torch.ops.aten.convolution_backward(
-        grad, x, w, None, [stride] * 2, [KERNEL // 2] * 2, [1, 1], False, [0, 0], x.shape[1], [True, True, False]
+        grad, x, w, None, [stride] * 2, [KERNEL // 2] * 2, [1, 1], False, [0, 0], x.shape[1], [*mask, False]
     )
 
 
+def lumenbridge_backward_input(grad, x, w, stride):
+    return torch.ops.lumenbridge.depthwise_conv2d_backward_input(grad, w, stride, list(x.shape[2:]))
+
+
+def lumenbridge_backward_weight(grad, x, w, stride):
+    return torch.ops.lumenbridge.depthwise_conv2d_backward_weight(grad, x, KERNEL, stride)
+
+
 def lumenbridge_backward(grad, x, w, stride):
-    gx = torch.ops.lumenbridge.depthwise_conv2d_backward_input(grad, w, stride, list(x.shape[2:]))
-    gw = torch.ops.lumenbridge.depthwise_conv2d_backward_weight(grad, x, KERNEL, stride)
-    return gx, gw
+    return lumenbridge_backward_input(grad, x, w, stride), lumenbridge_backward_weight(grad, x, w, stride)
 
 
 def conv(x, w, stride):
@@ -90,7 +97,13 @@ def bench_case(channels, side, stride, dtype, layout):
         ("backward", "lumenbridge"): median_ms(lambda: lumenbridge_backward(grad, x, w, stride)),
         ("backward", "cudnn"): median_ms(lambda: cudnn_backward(grad, x, w, stride)),
         ("backward", "compile"): median_ms(lambda: compiled_backward(grad, x, w, stride)),
+        # The backward's two parts on their own, to show where its time goes.
+        ("dx", "lumenbridge"): median_ms(lambda: lumenbridge_backward_input(grad, x, w, stride)),
+        ("dW", "lumenbridge"): median_ms(lambda: lumenbridge_backward_weight(grad, x, w, stride)),
+        ("dx", "cudnn"): median_ms(lambda: cudnn_backward(grad, x, w, stride, (True, False))),
+        ("dW", "cudnn"): median_ms(lambda: cudnn_backward(grad, x, w, stride, (False, True))),
     }
+    breakdown = {f"{part}_{impl}_ms": timings[(part, impl)] for part in ("dx", "dW") for impl in ("lumenbridge", "cudnn")}
     rows = []
     for direction, nbytes in (("forward", fwd_bytes), ("backward", bwd_bytes)):
         ours, cudnn = timings[(direction, "lumenbridge")], timings[(direction, "cudnn")]
@@ -107,6 +120,7 @@ def bench_case(channels, side, stride, dtype, layout):
                 lumenbridge_gbs=nbytes / ours / 1e6,
                 cudnn_gbs=nbytes / cudnn / 1e6,
                 speedup_vs_cudnn=cudnn / ours,
+                **(breakdown if direction == "backward" else {}),
             )
         )
     return rows
@@ -131,14 +145,18 @@ def markdown(env: dict, copy_gbs: float, rows: list[dict]) -> str:
         f"Python {env['python']}, {env['date']}; B={env['batch']}, K={env['kernel']}.",
         f"Copy bandwidth measured in the same run: {copy_gbs:.0f} GB/s (read + write).",
         "",
-        "| shape | dtype | layout | pass | LumenBridge ms | GB/s | % of copy | cuDNN ms | cuDNN GB/s | compile ms | speed-up vs cuDNN |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | dtype | layout | pass | LumenBridge ms | GB/s | % of copy | cuDNN ms | cuDNN GB/s | compile ms "
+        "| speed-up vs cuDNN | dx / dW ms, LumenBridge | dx / dW ms, cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        parts = ["", ""]
+        if r["direction"] == "backward":
+            parts = [f"{r[f'dx_{impl}_ms']:.3f} / {r[f'dW_{impl}_ms']:.3f}" for impl in ("lumenbridge", "cudnn")]
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['layout']} | {r['direction']} | {r['lumenbridge_ms']:.3f} | "
             f"{r['lumenbridge_gbs']:.0f} | {100 * r['lumenbridge_gbs'] / copy_gbs:.0f}% | {r['cudnn_ms']:.3f} | "
-            f"{r['cudnn_gbs']:.0f} | {r['compile_ms']:.3f} | {r['speedup_vs_cudnn']:.2f}x |"
+            f"{r['cudnn_gbs']:.0f} | {r['compile_ms']:.3f} | {r['speedup_vs_cudnn']:.2f}x | {parts[0]} | {parts[1]} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -42,7 +42,8 @@ if [[ $parts == *" sanitize "* ]]; then
 fi
 if [[ $parts == *" bench "* ]]; then
   step benchmark python3 benchmarks/bench_depthwise.py --out "$OUT"
-  [ -f "$OUT/depthwise.md" ] && cat "$OUT/depthwise.md"
+  step tokenizer-benchmark python3 benchmarks/bench_tokenizer.py --out "$OUT"
+  cat "$OUT"/depthwise.md "$OUT"/tokenizer.md 2>/dev/null
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

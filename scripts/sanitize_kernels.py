@@ -8,9 +8,9 @@ NHWC, and the tile paths the sizes select:
   20 x 24  32-wide forward tiles at stride 1, 16-wide at stride 2
   9 x 13   odd W: single-element chunks, one narrow tile
 C = 32 takes 16-byte channel chunks in NHWC, C = 6 8-byte (fp32) ones, C = 13
-single elements. A last batch of 96 x 64 x 32 x 32 forwards gives every
-resident block several tiles, so the hand-over between a block's two tile
-buffers runs under the tools too.
+single elements. A last batch of 96 x 64 x 32 x 32 problems gives every
+resident block of the pipelined kernels several tiles, so the hand-over
+between a block's tile buffers runs under the tools too.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
 
@@ -36,6 +36,9 @@ for (h, w), k, stride, dtype, fmt, channels in itertools.product(
     ops.depthwise_conv2d_backward_weight(grad, x, k, stride)
 for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS):
     x = torch.randn(96, 64, 32, 32, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
-    ops.depthwise_conv2d(x, torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype), None, stride)
+    weight = torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype)
+    grad = torch.randn_like(ops.depthwise_conv2d(x, weight, None, stride))
+    ops.depthwise_conv2d_backward_input(grad, weight, stride, [32, 32])
+    ops.depthwise_conv2d_backward_weight(grad, x, 3, stride)
 torch.cuda.synchronize()
 print("sanitize_kernels: all variants ran")

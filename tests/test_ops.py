@@ -318,14 +318,45 @@ def test_cuda_graph_capture(cuda_kernels, layout):
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_forward_with_many_tiles_per_block(cuda_kernels, layout, dtype, stride):
-    """Thousands of tiles, several per resident block: every hand-over between
-    a block's two tile buffers is exercised."""
+def test_many_tiles_per_block(cuda_kernels, layout, dtype, stride):
+    """Thousands of tiles, many per resident block, in every pipelined kernel
+    (forward, NHWC stride-2 input gradient, NHWC weight gradient): every
+    hand-over between a block's tile buffers is exercised."""
     seed = fresh_seed()
-    x, w, b = make_inputs((96, 64, 32, 32, 3, stride), dtype, layout, "cuda", seed)
+    x, w, b = make_inputs((256, 64, 32, 32, 3, stride), dtype, layout, "cuda", seed)
     out = cuda_kernels.depthwise_conv2d(x, w, b, stride)
     exact = reference.depthwise_conv2d(x.double(), w.double(), b.double(), stride)
     assert_matches(out, exact, reference.depthwise_conv2d(x, w, b, stride), f"forward, seed {seed}")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
+    grad = grad.contiguous(memory_format=LAYOUTS[layout])
+    got = cuda_kernels.depthwise_conv2d_backward_input(grad, w, stride, [32, 32])
+    exact = reference.depthwise_conv2d_backward_input(grad.double(), w.double(), stride, [32, 32])
+    baseline = reference.depthwise_conv2d_backward_input(grad, w, stride, [32, 32])
+    assert_matches(got, exact, baseline, f"grad_input, seed {seed}")
+    got_w, got_b = cuda_kernels.depthwise_conv2d_backward_weight(grad, x, 3, stride)
+    exact_w, exact_b = reference.depthwise_conv2d_backward_weight(grad.double(), x.double(), 3, stride)
+    base_w, base_b = reference.depthwise_conv2d_backward_weight(grad, x, 3, stride)
+    assert_matches(got_w, exact_w, base_w, f"grad_weight, seed {seed}")
+    assert_matches(got_b, exact_b, base_b, f"grad_bias, seed {seed}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_extent_past_32_bits_is_refused(cuda_kernels):
+    """A single extent of 2^31 is legal in PyTorch but not in the kernels'
+    32-bit coordinates: every op refuses it with a message, before any launch."""
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GB of GPU memory")
+    x = torch.empty(1, 1, 1, 2**31, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1, 1, 3, 3, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"LumenBridge: the CUDA kernels take .* \[C, H, W\] = \[1, 1, 2147483648\]"):
+        cuda_kernels.depthwise_conv2d(x, weight, None, 1)
+    with pytest.raises(RuntimeError, match="LumenBridge: the CUDA kernels take"):
+        cuda_kernels.depthwise_conv2d_backward_input(x, weight, 1, [1, 2**31])
+    with pytest.raises(RuntimeError, match="LumenBridge: the CUDA kernels take"):
+        cuda_kernels.depthwise_conv2d_backward_weight(x, x, 3, 1)
+    del x
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.cuda

@@ -117,6 +117,17 @@ inline unsigned grid_y(int64_t extent, const char* what) {
   return static_cast<unsigned>(extent);
 }
 
+// The kernels hold C, H, W and tile coordinates in 32-bit integers (offsets
+// into the tensors are 64-bit). Coordinates run a tile past an extent, so
+// extents stop short of 2^31 by a margin wider than any tile.
+constexpr int64_t kMaxExtent = std::numeric_limits<int32_t>::max() - 65536;
+
+inline void check_extents_fit_int(const DepthwiseProblem& p) {
+  TORCH_CHECK(p.C <= kMaxExtent && p.H <= kMaxExtent && p.W <= kMaxExtent,
+              "LumenBridge: the CUDA kernels take channels, height and width up to ",
+              text(kMaxExtent), " each, got [C, H, W] = ", text({p.C, p.H, p.W}));
+}
+
 // Calls launch(first_image, image_count) for slices of the batch that fit grid z.
 template <typename Launch>
 void for_each_batch_slice(int64_t batch, Launch&& launch) {

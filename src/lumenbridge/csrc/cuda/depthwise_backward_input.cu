@@ -7,11 +7,13 @@
 //   parity matches (py, px). A thread computes all four parities of a quad
 //   (a, b), so which taps apply is known at compile time and the inner loops
 //   stay branch-free. grad_output tiles (with halo) go through shared memory
-//   exactly as the forward input tiles do.
+//   as the forward input tiles do: NCHW one tile per block (tiles.cuh), NHWC
+//   through the forward's persistent pipeline (pipeline.cuh).
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common.cuh"
 #include "depthwise_forward.cuh"
+#include "nhwc_tiles.cuh"
 #include "tiles.cuh"
 
 namespace lumenbridge {
@@ -120,87 +122,123 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int K, int VEC>
+// NHWC: 8 x 8 quads (16 x 16 input pixels) of one image and a slab of 32
+// channels per tile, run through the forward kernels' persistent pipeline
+// (pipeline.cuh): each tile's grad_output window, halo included, lands in
+// shared memory while the previous tile is computed. Threads run along
+// channels, four each, then along quad columns, so a warp's shared reads
+// cover four adjacent pixels' slabs; each thread owns kQRows quads.
+template <typename T, int K>
 struct NhwcQuadTile {
-  static constexpr int kCV = 8, kQX = 8, kQY = kThreads / (kCV * kQX), kQRows = 2;
-  static constexpr int kSlab = kCV * VEC;
+  static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
+  static constexpr int kQX = 8, kQY = 4, kQRows = 2;
+  static constexpr int kThreads = kChannelThreads * kQX * kQY;
   static constexpr int kQuadW = kQX, kQuadH = kQY * kQRows;
-  static constexpr int kInW = kQuadW + QuadReach<K>::kSpan;
-  static constexpr int kInH = kQuadH + QuadReach<K>::kSpan;
-  static constexpr size_t kSharedBytes = sizeof(T) * kInH * kInW * kSlab;
+  using Reach = QuadReach<K>;
+  using Grad = PixelWindow<kQuadH + Reach::kSpan, kQuadW + Reach::kSpan, 1, kSlab>;
+  static constexpr int kElems = Grad::kElems;
+  static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
+  static constexpr size_t kSharedBytes = kStages * kElems * sizeof(T);
 };
 
-template <typename T, int K, int VEC>
-__global__ void __launch_bounds__(kThreads)
+template <typename T, int K>
+__global__ void __launch_bounds__(NhwcQuadTile<T, K>::kThreads)
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
                                             T* __restrict__ grad_input, int C, int H, int W,
-                                            int Ho, int Wo, int slabs) {
-  using Tile = NhwcQuadTile<T, K, VEC>;
-  using Reach = QuadReach<K>;
-  constexpr int kSlab = Tile::kSlab;
+                                            int Ho, int Wo, int chunk, bool vector_stores,
+                                            TileSpace<4> space, int64_t tiles) {
+  using Tile = NhwcQuadTile<T, K>;
+  using Grad = typename Tile::Grad;
+  using Reach = typename Tile::Reach;
+  constexpr int L = Tile::kLane, kCols = Reach::kSpan + 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  T* tile = reinterpret_cast<T*>(shared_bytes);
-  __shared__ __align__(16) float taps[K * K][kSlab];  // the slab's taps, [tap][channel]
+  T* const buffers = reinterpret_cast<T*>(shared_bytes);
+  const int tid = threadIdx.x;
+  const int lane_c = tid % Tile::kChannelThreads;
+  const int qx = (tid / Tile::kChannelThreads) % Tile::kQX;
+  const int qy = tid / (Tile::kChannelThreads * Tile::kQX);
 
-  const int slab = blockIdx.x % slabs;
-  const int bx = blockIdx.x / slabs;
-  const int by = blockIdx.y;
-  const int64_t n = blockIdx.z;
-  const int qy0 = by * Tile::kQuadH, qx0 = bx * Tile::kQuadW;
-  const int cv = threadIdx.x, qx = threadIdx.y, qy = threadIdx.z;
-  const int tid = (qy * Tile::kQX + qx) * Tile::kCV + cv;
-  const int c0 = slab * kSlab;
-  const int c = c0 + cv * VEC;
+  // Digits: channel slab, tile column, tile row, image. The grid is a
+  // multiple of the slab count, so a block's slab (and its taps) never change.
+  const int c0 = static_cast<int>(blockIdx.x % space.radix[0]) * Tile::kSlab;
+  const int c = c0 + lane_c * L;
+  auto load = [&](T* tile, const TileCursor<4>& t) {
+    dispatch_chunk<T>(chunk, [&](auto width) {
+      load_pixel_window<Grad, Tile::kThreads, decltype(width)::value>(
+          tile, grad_output + static_cast<int64_t>(t.digit[3]) * Ho * Wo * C, Ho, Wo, C,
+          t.digit[2] * Tile::kQuadH + Reach::kMin, t.digit[1] * Tile::kQuadW + Reach::kMin, c0, tid);
+    });
+  };
 
-  for (int i = tid; i < K * K * kSlab; i += kThreads) {
-    const int t = i / kSlab, ch = c0 + i % kSlab;
-    taps[t][i % kSlab] = ch < C ? static_cast<float>(weight[ch * K * K + t]) : 0.0f;
-  }
-  load_pixel_tile<T, Tile::kInH, Tile::kInW, Tile::kCV, VEC, kThreads>(
-      tile, grad_output + n * Ho * Wo * C, Ho, Wo, C, qy0 + Reach::kMin, qx0 + Reach::kMin, c0, tid);
-  __syncthreads();
-
-  float w[K * K][VEC];
+  float w[K * K][L];
 #pragma unroll
-  for (int i = 0; i < K * K; ++i) {
+  for (int e = 0; e < L; ++e) {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) w[i][e] = taps[i][cv * VEC + e];
+    for (int i = 0; i < K * K; ++i) w[i][e] = c + e < C ? static_cast<float>(weight[(c + e) * K * K + i]) : 0.0f;
   }
 
+  auto compute = [&](const T* tile, const TileCursor<4>& t) {
 #pragma unroll
-  for (int q = 0; q < Tile::kQRows; ++q) {
-    const int la = qy * Tile::kQRows + q;
-    const int y = 2 * (qy0 + la), x = 2 * (qx0 + qx);
+    for (int q = 0; q < Tile::kQRows; ++q) {
+      const int la = qy * Tile::kQRows + q;
+      const T* window = tile + (la * Grad::kRowPixels + qx) * Tile::kSlab + lane_c * L;
+      float acc[2][2][L] = {};
+      // grad_output row a + kMin + row feeds the taps of that offset, for both
+      // row parities; which taps apply is known at compile time.
 #pragma unroll
-    for (int py = 0; py < 2; ++py) {
+      for (int row = 0; row <= Reach::kSpan; ++row) {
+        float g[kCols][L];
 #pragma unroll
-      for (int px = 0; px < 2; ++px) {
-        float acc[VEC];
+        for (int col = 0; col < kCols; ++col) {
+          const Vec<T, L> pixel = load_vec<T, L>(window + (row * Grad::kRowPixels + col) * Tile::kSlab);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+          for (int e = 0; e < L; ++e) g[col][e] = static_cast<float>(pixel.v[e]);
+        }
 #pragma unroll
-        for (int i = 0; i < K; ++i) {
-          if (!Reach::contributes(py, i)) continue;
+        for (int py = 0; py < 2; ++py) {
 #pragma unroll
-          for (int j = 0; j < K; ++j) {
-            if (!Reach::contributes(px, j)) continue;
-            const int ty = la + Reach::offset(py, i) - Reach::kMin;
-            const int tx = qx + Reach::offset(px, j) - Reach::kMin;
-            const Vec<T, VEC> g = load_vec<T, VEC>(tile + (ty * Tile::kInW + tx) * Tile::kSlab + cv * VEC);
+          for (int i = 0; i < K; ++i) {
+            if (!Reach::contributes(py, i) || Reach::offset(py, i) - Reach::kMin != row) continue;
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[i * K + j][e], static_cast<float>(g.v[e]), acc[e]);
+            for (int px = 0; px < 2; ++px) {
+#pragma unroll
+              for (int j = 0; j < K; ++j) {
+                if (!Reach::contributes(px, j)) continue;
+                const int col = Reach::offset(px, j) - Reach::kMin;
+#pragma unroll
+                for (int e = 0; e < L; ++e) acc[py][px][e] = fmaf(w[i * K + j][e], g[col][e], acc[py][px][e]);
+              }
+            }
           }
         }
-        if (y + py < H && x + px < W && c < C) {
-          Vec<T, VEC> result;
+      }
+
+      const int64_t image = t.digit[3];
+      const int y = 2 * (t.digit[2] * Tile::kQuadH + la), x = 2 * (t.digit[1] * Tile::kQuadW + qx);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) result.v[e] = static_cast<T>(acc[e]);
-          store_vec<T, VEC>(grad_input + ((n * H + y + py) * W + x + px) * C + c, result);
+      for (int py = 0; py < 2; ++py) {
+#pragma unroll
+        for (int px = 0; px < 2; ++px) {
+          if (y + py >= H || x + px >= W) continue;
+          T* dst = grad_input + ((image * H + y + py) * W + x + px) * C + c;
+          if (vector_stores && c + L <= C) {
+            Vec<T, L> result;
+#pragma unroll
+            for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
+            store_vec<T, L>(dst, result);
+          } else {
+#pragma unroll
+            for (int e = 0; e < L; ++e) {
+              if (c + e < C) dst[e] = static_cast<T>(acc[py][px][e]);
+            }
+          }
         }
       }
     }
-  }
+  };
+  run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
+                                   Tile::kElems, load, [](const TileCursor<4>&) {}, compute);
 }
 
 template <typename T, int K>
@@ -228,29 +266,29 @@ void launch_s2_nchw(const T* grad_output, const T* weight, T* grad_input,
 template <typename T, int K>
 void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input,
                     const DepthwiseProblem& p, cudaStream_t stream) {
-  const int vec = vector_width<T>(4, p.C, {grad_output, grad_input});
-  dispatch_vector_width<4>(vec, [&](auto v) {
-    constexpr int VEC = decltype(v)::value;
-    using Tile = NhwcQuadTile<T, K, VEC>;
-    const int tiles_x = ceil_div(ceil_div(static_cast<int>(p.W), 2), Tile::kQuadW);
-    const int tiles_y = ceil_div(ceil_div(static_cast<int>(p.H), 2), Tile::kQuadH);
-    const int slabs = ceil_div(static_cast<int>(p.C), Tile::kSlab);
-    auto kernel = depthwise_backward_input_s2_nhwc_kernel<T, K, VEC>;
-    allow_shared_bytes(kernel, Tile::kSharedBytes);
-    for_each_batch_slice(p.N, [&](int64_t n0, unsigned count) {
-      const dim3 grid(grid_x(int64_t{slabs} * tiles_x), grid_y(tiles_y, "tile rows"), count);
-      kernel<<<grid, dim3(Tile::kCV, Tile::kQX, Tile::kQY), Tile::kSharedBytes, stream>>>(
-          grad_output + n0 * p.Ho * p.Wo * p.C, weight, grad_input + n0 * p.H * p.W * p.C, p.C,
-          p.H, p.W, p.Ho, p.Wo, slabs);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  using Tile = NhwcQuadTile<T, K>;
+  constexpr auto kernel = depthwise_backward_input_s2_nhwc_kernel<T, K>;
+  allow_shared_bytes(kernel, Tile::kSharedBytes);
+  const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
+  const int64_t tiles_x = ceil_div64(ceil_div64(p.W, 2), Tile::kQuadW);
+  const int64_t tiles_y = ceil_div64(ceil_div64(p.H, 2), Tile::kQuadH);
+  const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
+  const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
+  const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
+  const bool vector_stores =
+      p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(grad_input) % (Tile::kLane * sizeof(T)) == 0;
+  kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
+      grad_output, weight, grad_input, static_cast<int>(p.C), static_cast<int>(p.H),
+      static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
+      chunk_width<T>(p.C, grad_output), vector_stores, space, tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
                                     const DepthwiseProblem& p) {
+  check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   at::Tensor grad_input = new_output({p.N, p.C, p.H, p.W}, grad_output.options(), p.memory_format());
   if (grad_input.numel() == 0) return grad_input;

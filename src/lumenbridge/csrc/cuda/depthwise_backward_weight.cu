@@ -23,9 +23,12 @@ namespace cuda {
 namespace {
 
 // Tiles per block in pass 1: at least 8, enough to amortize a block's final
-// reduction, and more for large problems so that there are at most about
-// 1024 blocks per channel or slab.
-constexpr int64_t kMinTilesPerBlock = 8, kTargetChunks = 1024;
+// reduction, and more for large problems, aiming at a fixed block count:
+//   NCHW (one tile at a time): about 1024 blocks per channel.
+//   NHWC (pipelined): about 264 blocks over all slabs, one wave at two blocks
+//     per SM on the H200, so each block's pipeline runs long. Measured best
+//     of 264 to 4224 blocks on every benchmark shape (benchmarks/NOTES.md).
+constexpr int64_t kMinTilesPerBlock = 8, kNchwBlocksPerChannel = 1024, kNhwcBlocks = 264;
 
 // Sums `value` over the 32 lanes of a warp in a fixed order; lane 0 holds it.
 __device__ __forceinline__ float warp_sum(float value) {
@@ -273,8 +276,9 @@ struct WorkSplit {
   int64_t items, chunks;
 };
 
+// `groups` channels or slabs share `target_blocks` blocks.
 template <typename Tile>
-WorkSplit split_work(const DepthwiseProblem& p) {
+WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_blocks) {
   WorkSplit split;
   split.tiles_x = ceil_div(static_cast<int>(p.Wo), Tile::kOutW);
   split.tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
@@ -282,8 +286,9 @@ WorkSplit split_work(const DepthwiseProblem& p) {
   TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
               "LumenBridge: batch too large for one weight-gradient launch (", text(split.items),
               " tiles)");
-  split.tiles_per_block =
-      static_cast<int>(std::max(kMinTilesPerBlock, ceil_div64(split.items, kTargetChunks)));
+  // At most all of a group's tiles (so it fits an int, as items does).
+  split.tiles_per_block = static_cast<int>(std::max(
+      kMinTilesPerBlock, std::min(split.items, ceil_div64(split.items * groups, target_blocks))));
   split.chunks = ceil_div64(split.items, split.tiles_per_block);
   return split;
 }
@@ -325,6 +330,7 @@ void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, float*
 std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
                                                              const at::Tensor& input,
                                                              const DepthwiseProblem& p) {
+  check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(input.device());
   const auto options = input.options();
   at::Tensor grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
@@ -336,8 +342,11 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
     dispatch_kernel_size(p.K, [&](auto k) {
       dispatch_stride(p.stride, [&](auto s) {
         constexpr int K = decltype(k)::value, S = decltype(s)::value;
-        const WorkSplit split = p.layout == Layout::NCHW ? split_work<NchwWeightTile<K, S, 1>>(p)
-                                                          : split_work<NhwcWeightTile<T, K, S>>(p);
+        using NhwcWeight = NhwcWeightTile<T, K, S>;
+        const WorkSplit split =
+            p.layout == Layout::NCHW
+                ? split_work<NchwWeightTile<K, S, 1>>(p, 1, kNchwBlocksPerChannel)
+                : split_work<NhwcWeight>(p, ceil_div64(p.C, NhwcWeight::kSlab), kNhwcBlocks);
         // An empty batch has no chunks: one zero partial keeps pass 2 uniform.
         const int64_t chunks = std::max<int64_t>(split.chunks, 1);
         at::Tensor partials = at::zeros({p.C, chunks, taps + 1}, options.dtype(at::kFloat));

@@ -2,6 +2,7 @@
 // the kernel for its layout (depthwise_forward_nchw.cu, depthwise_forward_nhwc.cu).
 #include <c10/cuda/CUDAGuard.h>
 
+#include "common.cuh"
 #include "depthwise_forward.cuh"
 
 namespace lumenbridge {
@@ -20,6 +21,7 @@ void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
 
 at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
+  check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(input.device());
   at::Tensor output = new_output({p.N, p.C, p.Ho, p.Wo}, input.options(), p.memory_format());
   launch_depthwise_forward(input, weight, bias.has_value() ? *bias : at::Tensor(), output, p);

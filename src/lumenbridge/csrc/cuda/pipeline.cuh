@@ -1,5 +1,5 @@
-// Persistent, multi-buffered tile pipelines for the forward kernels and the
-// NHWC weight gradient.
+// Persistent, multi-buffered tile pipelines for the forward kernels, the
+// NHWC stride-2 input gradient and the NHWC weight gradient.
 //
 // A block stays resident and walks its share of the tiles. While it computes
 // tile i from one shared-memory buffer, asynchronous copies fill the others
@@ -179,7 +179,7 @@ int64_t persistent_blocks(int threads, size_t shared_bytes, int64_t tiles, int64
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, KERNEL, threads,
                                                                   shared_bytes));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a forward kernel cannot be resident");
+    TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a tiled kernel cannot be resident");
     resident = per_sm * sms;
     if (device < 64) resident_per_device[device].store(resident);
   }

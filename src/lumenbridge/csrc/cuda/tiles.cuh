@@ -1,15 +1,15 @@
-// Shared-memory tiles with full halos, for both layouts.
+// Shared-memory tiles with full halos for the one-tile-per-step NCHW kernels
+// (the stride-2 input gradient and the weight gradient); the other kernels
+// use the pipelined tiles of pipeline.cuh and nhwc_tiles.cuh.
 //
 // A tile is the window of input rows [y0, y0 + ROWS) and columns
-// [x0, x0 + COLS) of one image (NHWC: and a slab of channels). Every cell of
-// it is written: cells outside the image hold zero, which is the convolution's
-// zero padding, so the compute that follows needs no bounds checks at all.
+// [x0, x0 + COLS) of one plane. Every cell of it is written: cells outside
+// the image hold zero, which is the convolution's zero padding, so the
+// compute that follows needs no bounds checks at all.
 //
 // Stride-2 readers touch every other column; storing even and odd columns in
 // separate halves (`Deinterleave`) makes those reads consecutive in shared
-// memory, so a warp hits distinct banks. The stride-2 input gradient and the
-// NCHW weight gradient use these tiles; the forward kernels and the NHWC
-// weight gradient use the pipelined tiles of pipeline.cuh and nhwc_tiles.cuh.
+// memory, so a warp hits distinct banks.
 #pragma once
 
 #include "common.cuh"
@@ -81,35 +81,6 @@ struct PlaneTile {
     return lead;
   }
 };
-
-// NHWC: pixels of the window hold a slab of CV * VEC channels starting at c0,
-// stored in the input dtype as [ROWS][COLS][CV * VEC]. CV threads move one
-// pixel's slab, so each group of them reads contiguous memory.
-template <typename T, int ROWS, int COLS, int CV, int VEC, int THREADS>
-__device__ __forceinline__ void load_pixel_tile(T* __restrict__ tile, const T* __restrict__ image,
-                                                int H, int W, int C, int y0, int x0, int c0,
-                                                int tid) {
-  constexpr int kSlab = CV * VEC;
-  constexpr int kItems = ROWS * COLS * CV;
-  // Unrolled in groups of 8: enough loads in flight without exhausting registers.
-#pragma unroll 8
-  for (int k = 0; k < ceil_div(kItems, THREADS); ++k) {
-    const int item = tid + k * THREADS;
-    if (kItems % THREADS != 0 && item >= kItems) break;
-    const int pixel = item / CV;
-    const int cv = item - pixel * CV;
-    const int r = pixel / COLS;
-    const int j = pixel - r * COLS;
-    const int gy = y0 + r;
-    const int gx = x0 + j;
-    const int c = c0 + cv * VEC;
-    Vec<T, VEC> v = zero_vec<T, VEC>();
-    if (gy >= 0 && gy < H && gx >= 0 && gx < W && c < C) {
-      v = load_vec<T, VEC>(image + (static_cast<int64_t>(gy) * W + gx) * C + c);
-    }
-    store_vec<T, VEC>(tile + pixel * kSlab + cv * VEC, v);
-  }
-}
 
 }  // namespace cuda
 }  // namespace lumenbridge

@@ -7,6 +7,7 @@ Reports median milliseconds and achieved bandwidth counting each input read
 once and each output written once:
   forward   x + y
   backward  grad_y + x (read) and grad_x (written); dW/db are negligible.
+Backward rows also time dx and dW on their own, for LumenBridge and cuDNN.
 
 Usage: python benchmarks/bench_depthwise.py --out DIR   (needs a CUDA GPU)
 Writes DIR/depthwise.json, DIR/depthwise.md and DIR/depthwise.png.

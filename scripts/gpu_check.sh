@@ -2,7 +2,8 @@
 # The whole CUDA check in one call, for a machine with an NVIDIA GPU:
 # build the extension, run the test suite (CUDA tests included), run
 # compute-sanitizer's four tools on every kernel variant, run the depthwise
-# and whole-tokenizer benchmarks, and print a short summary last. Logs go to $OUT (default: gpu_check_out/).
+# and whole-tokenizer benchmarks, and print a short summary last. Logs go to
+# $OUT (default: gpu_check_out/).
 #   bash scripts/gpu_check.sh [PARTS...]   PARTS: tests sanitize bench (default: all three)
 #   PYTEST_ARGS selects tests (default: the whole suite).
 set -uo pipefail

@@ -58,8 +58,16 @@ def depthwise_rows():
                     return torch.autograd.grad(fn(xg, wg, bg).sum(), (xg, wg, bg))
 
                 with torch.no_grad():
-                    forward = median_ms(lambda fn=fn: fn(x, w, b))
-                rows.append(dict(case=f"dw C={channels} {side}² s2", layout=layout, impl=name, forward=forward, train=median_ms(train_step)))
+                    forward = median_ms(lambda fn=fn, x=x, w=w, b=b: fn(x, w, b))
+                rows.append(
+                    {
+                        "case": f"dw C={channels} {side}² s2",
+                        "layout": layout,
+                        "impl": name,
+                        "forward": forward,
+                        "train": median_ms(train_step),
+                    }
+                )
     return rows
 
 
@@ -71,15 +79,19 @@ def model_rows():
         for name in ("native", "reference"):
             model = VisualTokenizer(backend=name, seed=0).eval()
             with torch.no_grad():
-                forward = median_ms(lambda: model(x), repeats=5)
-            rows.append(dict(case="tokenizer 224²", layout=layout, impl=name, forward=forward, train=float("nan")))
+                forward = median_ms(lambda model=model, x=x: model(x), repeats=5)
+            rows.append(
+                {"case": "tokenizer 224²", "layout": layout, "impl": name, "forward": forward, "train": float("nan")}
+            )
     return rows
 
 
 def markdown(rows) -> str:
     lines = [
-        f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
-        f"Python {platform.python_version()}; {datetime.date.today().isoformat()}; B={BATCH}. Median ms.",
+        (
+            f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
+            f"Python {platform.python_version()}; {datetime.date.today().isoformat()}; B={BATCH}. Median ms."
+        ),
         "",
         "| case | layout | impl | forward ms | forward + backward ms |",
         "|---|---|---|---|---|",

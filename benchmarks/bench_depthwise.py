@@ -104,7 +104,9 @@ def bench_case(channels, side, stride, dtype, layout):
         ("dx", "cudnn"): median_ms(lambda: cudnn_backward(grad, x, w, stride, (True, False))),
         ("dW", "cudnn"): median_ms(lambda: cudnn_backward(grad, x, w, stride, (False, True))),
     }
-    breakdown = {f"{part}_{impl}_ms": timings[(part, impl)] for part in ("dx", "dW") for impl in ("lumenbridge", "cudnn")}
+    breakdown = {
+        f"{part}_{impl}_ms": timings[(part, impl)] for part in ("dx", "dW") for impl in ("lumenbridge", "cudnn")
+    }
     rows = []
     for direction, nbytes in (("forward", fwd_bytes), ("backward", bwd_bytes)):
         ours, cudnn = timings[(direction, "lumenbridge")], timings[(direction, "cudnn")]
@@ -128,26 +130,30 @@ def bench_case(channels, side, stride, dtype, layout):
 
 
 def environment() -> dict:
-    return dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version(),
-        python=platform.python_version(),
-        date=datetime.date.today().isoformat(),
-        batch=BATCH,
-        kernel=KERNEL,
-    )
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "batch": BATCH,
+        "kernel": KERNEL,
+    }
 
 
 def markdown(env: dict, copy_gbs: float, rows: list[dict]) -> str:
     lines = [
-        f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
-        f"Python {env['python']}, {env['date']}; B={env['batch']}, K={env['kernel']}.",
+        (
+            f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+            f"Python {env['python']}, {env['date']}; B={env['batch']}, K={env['kernel']}."
+        ),
         f"Copy bandwidth measured in the same run: {copy_gbs:.0f} GB/s (read + write).",
         "",
-        "| shape | dtype | layout | pass | LumenBridge ms | GB/s | % of copy | cuDNN ms | cuDNN GB/s | compile ms "
-        "| speed-up vs cuDNN | dx / dW ms, LumenBridge | dx / dW ms, cuDNN |",
+        (
+            "| shape | dtype | layout | pass | LumenBridge ms | GB/s | % of copy | cuDNN ms | cuDNN GB/s | compile ms "
+            "| speed-up vs cuDNN | dx / dW ms, LumenBridge | dx / dW ms, cuDNN |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -201,7 +207,9 @@ def main() -> None:
                 rows += bench_case(channels, side, stride, dtype, layout)
                 print(f"done C={channels} {side} s{stride} {dtype} {layout}", flush=True)
                 torch.cuda.empty_cache()
-    (args.out / "depthwise.json").write_text(json.dumps(dict(environment=env, copy_gbs=copy_gbs, rows=rows), indent=2))
+    (args.out / "depthwise.json").write_text(
+        json.dumps({"environment": env, "copy_gbs": copy_gbs, "rows": rows}, indent=2)
+    )
     table = markdown(env, copy_gbs, rows)
     (args.out / "depthwise.md").write_text(table)
     plot(args.out / "depthwise.png", copy_gbs, rows)

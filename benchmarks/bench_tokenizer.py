@@ -27,6 +27,7 @@ SIDE = 224
 
 def timings(model, images) -> tuple[float, float]:
     """(inference forward ms, training step ms)."""
+
     def train_step():
         x = images.detach().requires_grad_(True)
         model(x).float().square().mean().backward()
@@ -41,15 +42,14 @@ def rows():
     for dtype_name, dtype in DTYPES.items():
         for layout, fmt in LAYOUTS.items():
             images = torch.randn(BATCH, 3, SIDE, SIDE, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
-            models = {
-                name: VisualTokenizer(backend=name, seed=0).to("cuda", dtype)
-                for name in ("native", "reference")
-            }
+            models = {name: VisualTokenizer(backend=name, seed=0).to("cuda", dtype) for name in ("native", "reference")}
             torch.compiler.reset()
             models["compile"] = torch.compile(models["reference"], dynamic=False)
             for impl, model in models.items():
                 forward, train = timings(model, images)
-                result.append(dict(dtype=dtype_name, layout=layout, impl=impl, forward_ms=forward, train_ms=train))
+                result.append(
+                    {"dtype": dtype_name, "layout": layout, "impl": impl, "forward_ms": forward, "train_ms": train}
+                )
                 print(f"done {dtype_name} {layout} {impl}", flush=True)
             torch.cuda.empty_cache()
     return result
@@ -57,8 +57,10 @@ def rows():
 
 def markdown(env: dict, table_rows: list[dict]) -> str:
     lines = [
-        f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
-        f"Python {env['python']}, {env['date']}; lumenbridge-base, B={BATCH}, {SIDE}x{SIDE}. Median ms.",
+        (
+            f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+            f"Python {env['python']}, {env['date']}; lumenbridge-base, B={BATCH}, {SIDE}x{SIDE}. Median ms."
+        ),
         "",
         "| dtype | layout | impl | forward ms | training step ms |",
         "|---|---|---|---|---|",

@@ -25,7 +25,12 @@ ops = torch.ops.lumenbridge
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMATS = (torch.contiguous_format, torch.channels_last)
 for (h, w), k, stride, dtype, fmt, channels in itertools.product(
-    ((21, 38), (70, 64), (20, 24), (9, 13)), (3, 5, 7), (1, 2), DTYPES, FORMATS, (32, 6, 13),
+    ((21, 38), (70, 64), (20, 24), (9, 13)),
+    (3, 5, 7),
+    (1, 2),
+    DTYPES,
+    FORMATS,
+    (32, 6, 13),
 ):
     x = torch.randn(2, channels, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
     weight = torch.randn(channels, 1, k, k, device="cuda", dtype=dtype)

@@ -8,11 +8,10 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import device_params
 
 import lumenbridge
 from lumenbridge import BACKEND_ENV, TokenizerConfig, VisualTokenizer, dispatch, ops
-
-from conftest import device_params
 
 SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16, 16, 32))
 
@@ -83,7 +82,9 @@ def test_separable_conv_matches_two_plain_convolutions(native_ops):
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_native_tokens_and_gradients_match_the_reference(native_ops, device, memory_format):
-    images = torch.randint(0, 256, (2, 3, 48, 64), dtype=torch.uint8, device=device).contiguous(memory_format=memory_format)
+    images = torch.randint(0, 256, (2, 3, 48, 64), dtype=torch.uint8, device=device).contiguous(
+        memory_format=memory_format
+    )
     models = [VisualTokenizer(SMALL, backend=name, seed=0).to(device) for name in ("reference", "native")]
     tokens = [model(images) for model in models]
     torch.testing.assert_close(tokens[1], tokens[0], rtol=1e-4, atol=1e-4)

@@ -67,7 +67,9 @@ def test_channels_last_input_gives_the_same_tokens():
     model = make()
     x = torch.randn(2, 3, 32, 48)
     with torch.no_grad():
-        torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(x.contiguous(memory_format=torch.channels_last)), model(x), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_strided_view_input_is_accepted():

@@ -11,11 +11,10 @@ import random
 
 import pytest
 import torch
+from conftest import HAS_CUDA, device_params
 
 from lumenbridge import reference
 from lumenbridge.layout import memory_format_of
-
-from conftest import HAS_CUDA, device_params
 
 # (N, C, H, W, K, stride), each there for a reason.
 SHAPES = [
@@ -55,12 +54,12 @@ def fresh_seed():
 
 
 def make_inputs(shape, dtype, layout, device, seed):
-    n, c, h, w, k, stride = shape
+    n, c, h, w, k, _stride = shape
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, c, h, w, generator=g, dtype=torch.float64)
     weight = torch.randn(c, 1, k, k, generator=g, dtype=torch.float64) / k
     bias = torch.randn(c, generator=g, dtype=torch.float64)
-    to = dict(device=device, dtype=dtype)
+    to = {"device": device, "dtype": dtype}
     return x.to(**to).contiguous(memory_format=LAYOUTS[layout]), weight.to(**to), bias.to(**to)
 
 
@@ -106,7 +105,7 @@ def test_forward(native_ops, device, shape, dtype, layout):
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("shape, dtype, layout", CASES)
 def test_backward_input(native_ops, device, shape, dtype, layout):
-    n, c, h, wd, k, stride = shape
+    n, c, h, wd, _k, stride = shape
     seed = fresh_seed()
     x, w, _ = make_inputs(shape, dtype, layout, device, seed)
     grad = reference.depthwise_conv2d(x, w, None, stride)  # right shape and layout
@@ -193,7 +192,7 @@ def test_first_and_second_order_gradients_float64_cpu(native_ops, layout, stride
     """Every op has an autograd formula, so gradients of any order are exact."""
     x, w, b = make_inputs((2, 3, 7, 6, 3, stride), torch.float64, layout, "cpu", seed=5)
     inputs = tuple(t.requires_grad_(True) for t in (x, w, b))
-    forward = lambda x, w, b: native_ops.depthwise_conv2d(x, w, b, stride)  # noqa: E731
+    forward = lambda x, w, b: native_ops.depthwise_conv2d(x, w, b, stride)
     assert torch.autograd.gradcheck(forward, inputs)
     assert torch.autograd.gradgradcheck(forward, inputs)
     grad = reference.depthwise_conv2d(x.detach(), w.detach(), None, stride)
@@ -236,28 +235,68 @@ def bad_calls(device):
     g = torch.randn(2, 4, 4, 4, device=device)
     return [
         ("int input", lambda: ops.depthwise_conv2d(x.int(), w.int(), None, 1), "input has dtype Int"),
-        ("weight dtype", lambda: ops.depthwise_conv2d(x, w.half(), None, 1), "weight has dtype Half but input has dtype Float"),
+        (
+            "weight dtype",
+            lambda: ops.depthwise_conv2d(x, w.half(), None, 1),
+            "weight has dtype Half but input has dtype Float",
+        ),
         ("bias dtype", lambda: ops.depthwise_conv2d(x, w, b.half(), 1), "bias has dtype Half"),
         ("3-D input", lambda: ops.depthwise_conv2d(x[0], w, None, 1), "input must be 4-D"),
         ("weight rank", lambda: ops.depthwise_conv2d(x, w[:, 0], None, 1), r"weight must have shape \[C, 1, K, K\]"),
-        ("grouped weight", lambda: ops.depthwise_conv2d(x, torch.randn(4, 2, 3, 3, device=device), None, 1), r"\[C, 1, K, K\]"),
-        ("channel mismatch", lambda: ops.depthwise_conv2d(x, w[:3], None, 1), "weight has 3 channels but the input has 4"),
-        ("even kernel", lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, 4, 4, device=device), None, 1), "kernel_size must be 3, 5 or 7"),
+        (
+            "grouped weight",
+            lambda: ops.depthwise_conv2d(x, torch.randn(4, 2, 3, 3, device=device), None, 1),
+            r"\[C, 1, K, K\]",
+        ),
+        (
+            "channel mismatch",
+            lambda: ops.depthwise_conv2d(x, w[:3], None, 1),
+            "weight has 3 channels but the input has 4",
+        ),
+        (
+            "even kernel",
+            lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, 4, 4, device=device), None, 1),
+            "kernel_size must be 3, 5 or 7",
+        ),
         ("kernel 9", lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, 9, 9, device=device), None, 1), "got 9"),
         ("stride 3", lambda: ops.depthwise_conv2d(x, w, None, 3), "stride must be 1 or 2, got 3"),
-        ("non-dense input", lambda: ops.depthwise_conv2d(x[..., ::2], w, None, 1), "input must be contiguous NCHW or channels-last"),
-        ("non-contiguous weight", lambda: ops.depthwise_conv2d(x, w.transpose(2, 3), None, 1), "weight must be contiguous"),
+        (
+            "non-dense input",
+            lambda: ops.depthwise_conv2d(x[..., ::2], w, None, 1),
+            "input must be contiguous NCHW or channels-last",
+        ),
+        (
+            "non-contiguous weight",
+            lambda: ops.depthwise_conv2d(x, w.transpose(2, 3), None, 1),
+            "weight must be contiguous",
+        ),
         ("bias shape", lambda: ops.depthwise_conv2d(x, w, b[:3], 1), r"bias must have shape \[4\]"),
-        ("non-contiguous bias", lambda: ops.depthwise_conv2d(x, w, torch.randn(8, device=device)[::2], 1), "bias must be contiguous"),
-        ("grad_output dtype", lambda: ops.depthwise_conv2d_backward_weight(g.half(), x, 3, 2), "grad_output has dtype Half"),
-        ("grad_output shape", lambda: ops.depthwise_conv2d_backward_input(g, w, 1, [8, 8]), r"grad_output has shape \[2, 4, 4, 4\] but expected \[2, 4, 8, 8\]"),
+        (
+            "non-contiguous bias",
+            lambda: ops.depthwise_conv2d(x, w, torch.randn(8, device=device)[::2], 1),
+            "bias must be contiguous",
+        ),
+        (
+            "grad_output dtype",
+            lambda: ops.depthwise_conv2d_backward_weight(g.half(), x, 3, 2),
+            "grad_output has dtype Half",
+        ),
+        (
+            "grad_output shape",
+            lambda: ops.depthwise_conv2d_backward_input(g, w, 1, [8, 8]),
+            r"grad_output has shape \[2, 4, 4, 4\] but expected \[2, 4, 8, 8\]",
+        ),
         ("input_size", lambda: ops.depthwise_conv2d_backward_input(g, w, 2, [0, 8]), "input_size must be"),
         (
             "mixed layouts",
             lambda: ops.depthwise_conv2d_backward_weight(g, x.contiguous(memory_format=torch.channels_last), 3, 2),
             "share one memory layout",
         ),
-        ("backward kernel size", lambda: ops.depthwise_conv2d_backward_weight(g, x, 4, 2), "kernel_size must be 3, 5 or 7"),
+        (
+            "backward kernel size",
+            lambda: ops.depthwise_conv2d_backward_weight(g, x, 4, 2),
+            "kernel_size must be 3, 5 or 7",
+        ),
         ("empty channels", lambda: ops.depthwise_conv2d(x[:, :0], w[:0], None, 1), "at least one channel"),
     ]
 
@@ -373,6 +412,11 @@ def test_more_than_2_to_the_31_elements(cuda_kernels, layout):
     assert x.numel() > 2**31
     window = x[:, :, -8:, -64:].double()  # bottom-right corner: the largest offsets
     exact = reference.depthwise_conv2d(window, weight.double(), None, 1)[:, :, 1:, 1:]
-    assert_matches(out[:, :, -7:, -63:], exact, reference.depthwise_conv2d(x[:, :, -8:, -64:], weight, None, 1)[:, :, 1:, 1:], "corner")
+    assert_matches(
+        out[:, :, -7:, -63:],
+        exact,
+        reference.depthwise_conv2d(x[:, :, -8:, -64:], weight, None, 1)[:, :, 1:, 1:],
+        "corner",
+    )
     del x, out
     torch.cuda.empty_cache()

@@ -73,14 +73,19 @@ def test_pointwise_matches_hand_computation():
 
 
 def test_tiny_model_matches_hand_computation():
-    cfg = TokenizerConfig(in_chans=2, embed_dim=4, stage_widths=(3, 4), strides=(2, 2), mean=(0.5, 0.4), std=(0.2, 0.3), image_size=8)
+    cfg = TokenizerConfig(
+        in_chans=2, embed_dim=4, stage_widths=(3, 4), strides=(2, 2), mean=(0.5, 0.4), std=(0.2, 0.3), image_size=8
+    )
     model = VisualTokenizer(cfg, backend="reference", seed=3).double()
     with torch.no_grad():  # non-trivial norm parameters, so the affine part is exercised
         model.token_norm.weight.uniform_(0.5, 1.5)
         model.token_norm.bias.uniform_(-0.5, 0.5)
     images = torch.randint(0, 256, (1, 2, 8, 8), dtype=torch.uint8)
 
-    x = [[[(v / 255.0 - cfg.mean[c]) / cfg.std[c] for v in row] for row in plane] for c, plane in enumerate(images[0].double().tolist())]
+    x = [
+        [[(v / 255.0 - cfg.mean[c]) / cfg.std[c] for v in row] for row in plane]
+        for c, plane in enumerate(images[0].double().tolist())
+    ]
     for index, stage in enumerate(model.stages):
         x = hand_depthwise(x, stage.dw.weight[:, 0].tolist(), stage.dw.bias.tolist(), cfg.strides[index])
         x = hand_pointwise(x, stage.pw.weight[:, :, 0, 0].tolist(), stage.pw.bias.tolist())

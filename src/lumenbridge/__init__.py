@@ -16,9 +16,9 @@ __all__ = [
     "PRESETS",
     "TokenizerConfig",
     "VisualTokenizer",
+    "__version__",
     "backends",
     "extension",
     "ops",
     "select_backend",
-    "__version__",
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def write_atomically(path: str | Path, write: Callable[[str], None]) -> None:

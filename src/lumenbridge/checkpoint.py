@@ -20,7 +20,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def save(model: "VisualTokenizer", directory: str | Path) -> None:
+def save(model: VisualTokenizer, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
@@ -39,7 +39,7 @@ def read_config(directory: str | Path) -> TokenizerConfig:
     return TokenizerConfig.from_json(_require(Path(directory) / CONFIG_NAME).read_text())
 
 
-def load_weights(model: "VisualTokenizer", directory: str | Path) -> None:
+def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
     """Load model.safetensors into model, naming any missing, unexpected or mis-shaped tensor."""
     path = _require(Path(directory) / WEIGHTS_NAME)
     stored = safetensors.torch.load_file(path)

@@ -9,8 +9,8 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import safetensors
 import safetensors.torch
@@ -113,7 +113,9 @@ def tokenize_files(
 
 def save_tokens_atomically(path: str, tokens: torch.Tensor, metadata: dict[str, str]) -> None:
     """Writes the tokens file so that `path` only ever holds a complete file."""
-    write_atomically(path, lambda temporary: safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata))
+    write_atomically(
+        path, lambda temporary: safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata)
+    )
 
 
 def best_device() -> torch.device:
@@ -367,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit.code if isinstance(exit.code, int) else EXIT_USAGE
     try:
         return args.handler(args)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any crash must map to EXIT_CRASH
         # Keep exit code 1 meaning "written, some images skipped": a crash is its own code.
         traceback.print_exc()
         print("lumenbridge: error: the run stopped on an unexpected error; no output was written", file=sys.stderr)

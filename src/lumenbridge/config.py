@@ -73,7 +73,9 @@ class TokenizerConfig:
         if any(not s > 0 for s in self.std):
             fail(f"std entries must be positive, got {self.std}")
         if self.image_size < 1 or self.image_size % self.total_stride:
-            fail(f"image_size ({self.image_size}) must be a positive multiple of the total stride ({self.total_stride})")
+            fail(
+                f"image_size ({self.image_size}) must be a positive multiple of the total stride ({self.total_stride})"
+            )
 
     def _validate_types(self) -> None:
         def is_int(value) -> bool:
@@ -113,7 +115,7 @@ class TokenizerConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TokenizerConfig":
+    def from_dict(cls, data: dict) -> TokenizerConfig:
         if not isinstance(data, dict):
             raise TypeError(f"TokenizerConfig: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -123,11 +125,11 @@ class TokenizerConfig:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> "TokenizerConfig":
+    def from_json(cls, text: str) -> TokenizerConfig:
         return cls.from_dict(json.loads(text))
 
     @classmethod
-    def preset(cls, name: str) -> "TokenizerConfig":
+    def preset(cls, name: str) -> TokenizerConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets are {sorted(PRESETS)}")
         return PRESETS[name]

@@ -45,7 +45,9 @@ class BuildReport:
     seconds: float
 
     def __str__(self) -> str:
-        kind = f"CPU + CUDA kernels for {', '.join(self.cuda_archs)}" if self.with_cuda else "CPU kernels only (no CUDA)"
+        kind = (
+            f"CPU + CUDA kernels for {', '.join(self.cuda_archs)}" if self.with_cuda else "CPU kernels only (no CUDA)"
+        )
         return f"built {kind} in {self.seconds:.1f} s\n  library: {self.library}"
 
 

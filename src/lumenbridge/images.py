@@ -10,8 +10,9 @@ from __future__ import annotations
 import glob
 import importlib.resources
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from PIL import Image, ImageOps
@@ -54,7 +55,9 @@ def images_in_folder(folder: str | os.PathLike) -> list[str]:
     return [
         str(path)
         for path in sorted(Path(folder).rglob("*"))
-        if path.is_file() and is_image_file(path) and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if path.is_file()
+        and is_image_file(path)
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     ]
 
 

@@ -42,7 +42,9 @@ class SeparableStage(nn.Module):
         self.norm = _make_stage_norm(norm, out_chans)
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        x = ops.separable_conv(x, self.dw.weight, self.dw.bias, self.pw.weight, self.pw.bias, self.dw.stride[0], backend=backend)
+        x = ops.separable_conv(
+            x, self.dw.weight, self.dw.bias, self.pw.weight, self.pw.bias, self.dw.stride[0], backend=backend
+        )
         return self.norm(x)
 
 
@@ -131,7 +133,9 @@ class VisualTokenizer(nn.Module):
         if images.dim() != 4:
             raise ValueError(f"images must be 4-D [B, C, H, W], got {images.dim()}-D with shape {tuple(images.shape)}")
         if images.device != self.pixel_mean.device:
-            raise ValueError(f"images are on {images.device} but the model is on {self.pixel_mean.device}; move one of them")
+            raise ValueError(
+                f"images are on {images.device} but the model is on {self.pixel_mean.device}; move one of them"
+            )
         if images.shape[1] != self.config.in_chans:
             raise ValueError(f"images have {images.shape[1]} channels but the model expects {self.config.in_chans}")
         for extent in images.shape[2:]:
@@ -177,7 +181,7 @@ class VisualTokenizer(nn.Module):
         checkpoint.save(self, directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, **kwargs) -> "VisualTokenizer":
+    def from_pretrained(cls, directory: str | Path, **kwargs) -> VisualTokenizer:
         """Build from config.json and load model.safetensors; kwargs go to __init__."""
         config = checkpoint.read_config(directory)
         model = cls(config, **kwargs)

@@ -105,8 +105,18 @@ def _register_python_kernels() -> None:
     # torch.library needs the ops to exist, so this runs after the library loads.
     for name, fake, backward, setup in (
         ("depthwise_conv2d", _depthwise_conv2d_fake, _forward_backward, _forward_setup),
-        ("depthwise_conv2d_backward_input", _depthwise_conv2d_backward_input_fake, _backward_input_backward, _backward_input_setup),
-        ("depthwise_conv2d_backward_weight", _depthwise_conv2d_backward_weight_fake, _backward_weight_backward, _backward_weight_setup),
+        (
+            "depthwise_conv2d_backward_input",
+            _depthwise_conv2d_backward_input_fake,
+            _backward_input_backward,
+            _backward_input_setup,
+        ),
+        (
+            "depthwise_conv2d_backward_weight",
+            _depthwise_conv2d_backward_weight_fake,
+            _backward_weight_backward,
+            _backward_weight_setup,
+        ),
     ):
         torch.library.register_fake(f"lumenbridge::{name}", fake)
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)

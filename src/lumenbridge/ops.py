@@ -20,7 +20,12 @@ def _backend_for(input: torch.Tensor, backend: str | None) -> Backend:
 
 
 def depthwise_conv2d(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: int = 1, *, backend: str | None = None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int = 1,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Depthwise K x K conv with zero padding K // 2: input [N, C, H, W], weight [C, 1, K, K]."""
     return _backend_for(input, backend).depthwise_conv2d(input, weight, bias, stride)

@@ -99,10 +99,12 @@ void allow_shared_bytes(Kernel kernel, size_t bytes) {
                                       static_cast<int>(bytes)));
 }
 
-// Launch geometry: grid x covers tiles (and NHWC channel slabs), y covers
-// channels or tile rows, z the batch, so kernels find their block with at most
-// one 32-bit division. The hardware caps y and z at 65535: larger batches run
-// as several launches, larger y extents are refused with a message.
+// Launch geometry of the kernels that are not persistent (the persistent ones
+// use x alone): grid x covers tiles, y channels (NCHW) or channel slabs
+// (NHWC weight gradient), z the batch where a kernel uses it, so kernels find
+// their block with at most one 32-bit division. The hardware caps y and z at
+// 65535: larger batches run as several launches, larger y extents are refused
+// with a message.
 constexpr int64_t kMaxGridYZ = 65535;
 
 inline unsigned grid_x(int64_t blocks) {

@@ -129,8 +129,7 @@ __global__ void __launch_bounds__(kThreads)
 // channels, four each, then along quad columns, so a warp's shared reads
 // cover four adjacent pixels' slabs; each thread owns kQRows quads.
 template <typename T, int K>
-struct NhwcQuadTile {
-  static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
+struct NhwcQuadTile : NhwcLanes {
   static constexpr int kQX = 8, kQY = 4, kQRows = 2;
   static constexpr int kThreads = kChannelThreads * kQX * kQY;
   static constexpr int kQuadW = kQX, kQuadH = kQY * kQRows;
@@ -275,8 +274,7 @@ void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input,
   const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
   const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
   const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
-  const bool vector_stores =
-      p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(grad_input) % (Tile::kLane * sizeof(T)) == 0;
+  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
   kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
       grad_output, weight, grad_input, static_cast<int>(p.C), static_cast<int>(p.H),
       static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),

@@ -176,8 +176,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, 1);
   const TileSpace<4> space = tile_space<4>({tiles_x, tiles_y, p.C, p.N}, blocks);
   // Whole V-wide output vectors are aligned when Wo is a multiple of V.
-  const bool vector_stores =
-      p.Wo % Tile::kV == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kV * sizeof(T)) == 0;
+  const bool vector_stores = vector_width<T>(Tile::kV, p.Wo, {out}) == Tile::kV;
   kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho),

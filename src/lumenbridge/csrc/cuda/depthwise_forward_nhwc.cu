@@ -138,8 +138,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
   const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
   const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
-  const bool vector_stores =
-      p.C % Tile::kLane == 0 && reinterpret_cast<uintptr_t>(out) % (Tile::kLane * sizeof(T)) == 0;
+  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {out}) == Tile::kLane;
   kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),

@@ -1,5 +1,5 @@
-// NHWC tile geometry and loader shared by the forward and weight-gradient
-// kernels.
+// NHWC tile geometry and loader shared by the forward, stride-2 input-gradient
+// and weight-gradient kernels.
 //
 // Threads run along channels, four each (one 16-byte fp32 or 8-byte half
 // shared read per pixel), so eight threads cover a pixel's slab of 32
@@ -25,9 +25,14 @@ struct PixelWindow {
   __host__ __device__ static constexpr unsigned column(unsigned j) { return (j % WAYS) * kSpan + j / WAYS; }
 };
 
-template <int K, int S>
-struct NhwcTile {
+// The channel lanes every NHWC tile shares: four channels per thread, eight
+// threads per 32-channel slab (the unit load_pixel_window copies).
+struct NhwcLanes {
   static constexpr int kLane = 4, kChannelThreads = 8, kSlab = kLane * kChannelThreads;
+};
+
+template <int K, int S>
+struct NhwcTile : NhwcLanes {
   static constexpr int kSX = S == 1 ? 4 : 8, kSY = 8 * 4 / kSX;
   static constexpr int kV = S == 1 ? 2 : 1, kRows = 2;
   static constexpr int kThreads = kChannelThreads * kSX * kSY;

@@ -30,14 +30,14 @@ log = logging.getLogger("lumenbridge")
 # reference elsewhere.
 #   CUDA, NCHW: native (tokenizer forward 5.4 vs 6.1 ms, training step 15.0
 #     vs 26.4 ms at B=256 fp32; faster in bf16 too).
-#   CUDA, channels-last: reference (tokenizer forward 5.1 vs 5.6 ms fp32,
-#     4.7 vs 5.7 ms bf16; the 3-channel first stage wastes NHWC lanes).
+#   CUDA, channels-last: native (the fused op reads the 3-channel images in
+#     either layout; see benchmarks/RESULTS.md).
 #   CPU, NCHW: native (tokenizer forward 91 vs 110 ms at B=8).
 #   CPU, channels-last: reference (55 vs 53 ms).
 # Other devices (e.g. Apple MPS) always use the reference.
 DEFAULTS = {
     ("cuda", False): "native",
-    ("cuda", True): "reference",
+    ("cuda", True): "native",
     ("cpu", False): "native",
     ("cpu", True): "reference",
 }
@@ -48,11 +48,19 @@ _fallbacks_logged: set[str] = set()
 
 
 class Backend:
-    """A set of convolution implementations with one signature each.
-    separable_conv is the fusable unit: a backend may replace the composition
-    with one fused call without the model changing."""
+    """One implementation of the tokenizer. tokenize(images, model) is the unit
+    every backend implements: the whole forward of a VisualTokenizer on
+    checked images. The per-convolution methods serve the layer-by-layer
+    composition (VisualTokenizer.forward_layers) and the functional ops."""
 
     name: str
+
+    def tokenize(self, images, model):
+        return model.forward_layers(images, self.name)
+
+    def tokenize_path(self, device_type: str, config, dtype: torch.dtype) -> str:
+        """How tokenize runs this configuration and dtype on the device, for reports."""
+        return "layer by layer in PyTorch"
 
     def depthwise_conv2d(self, input, weight, bias, stride):
         raise NotImplementedError
@@ -73,10 +81,31 @@ class ReferenceBackend(Backend):
 
 
 class NativeBackend(Backend):
-    """Depthwise convolutions through the native kernels; the pointwise 1x1
-    conv stays on cuBLAS/cuDNN (through PyTorch) until fused stages land."""
+    """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize (fused
+    kernels on CUDA). Calls that need what the op does not provide yet run
+    layer by layer, depthwise convolutions through the native kernels and
+    pointwise ones through PyTorch: see layer_reason."""
 
     name = "native"
+
+    def tokenize(self, images, model):
+        if self.layer_reason(images, model) is None:
+            return native.tokenize(images, model)
+        return super().tokenize(images, model)
+
+    @staticmethod
+    def layer_reason(images, model) -> str | None:
+        """Why this call cannot use the one op, or None when it can."""
+        if torch.is_grad_enabled() and (images.requires_grad or any(p.requires_grad for p in model.parameters())):
+            return "a gradient is needed (the op's backward is not implemented yet)"
+        if torch.is_autocast_enabled(images.device.type):
+            return "autocast is on (the op has no autocast rule yet)"
+        if model.config.stage_norm == "batchnorm" and model.training:
+            return "BatchNorm in training mode needs batch statistics"
+        return None
+
+    def tokenize_path(self, device_type: str, config, dtype: torch.dtype) -> str:
+        return native.tokenize_path(device_type, config, dtype)
 
     def depthwise_conv2d(self, input, weight, bias, stride):
         # Under autocast, PyTorch's own convolutions run in the autocast dtype
@@ -144,6 +173,7 @@ class BackendReport:
 
     implementations: dict[str, str]
     selection: dict[str, str]
+    paths: dict[str, str]
 
     def __str__(self) -> str:
         lines = ["implementations:"]
@@ -152,6 +182,8 @@ class BackendReport:
         lines += [f"  {device:<10} {name}" for device, name in self.selection.items()]
         if os.environ.get(BACKEND_ENV):
             lines.append(f"  ({BACKEND_ENV}={os.environ[BACKEND_ENV]} is set)")
+        lines.append("tokenizer path (device, preset, dtype -> how the selected backend runs inference):")
+        lines += [f"  {case:<36} {path}" for case, path in self.paths.items()]
         return "\n".join(lines)
 
 
@@ -181,4 +213,22 @@ def backends() -> BackendReport:
                 selection[f"{device} {layout}"] = select_backend(device, channels_last=channels_last).name
             except (ValueError, RuntimeError) as error:
                 selection[f"{device} {layout}"] = f"error: {error}"
-    return BackendReport(implementations, selection)
+    return BackendReport(implementations, selection, tokenizer_paths(devices))
+
+
+def tokenizer_paths(devices: list[str]) -> dict[str, str]:
+    """For each device, preset and dtype: the backend chosen (NCHW input) and how it runs."""
+    from .config import PRESETS
+
+    paths = {}
+    for device in devices:
+        try:
+            backend = select_backend(device)
+        except (ValueError, RuntimeError) as error:
+            paths[device] = f"error: {error}"
+            continue
+        for preset, config in PRESETS.items():
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                name = str(dtype).removeprefix("torch.")
+                paths[f"{device} {preset} {name}"] = f"{backend.name}: {backend.tokenize_path(device, config, dtype)}"
+    return paths

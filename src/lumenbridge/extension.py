@@ -67,7 +67,7 @@ def _cuda_archs() -> tuple[str, ...]:
 
 
 def _sources(with_cuda: bool) -> list[str]:
-    sources = [CSRC / "gateway.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]
     if with_cuda:
         sources += sorted((CSRC / "cuda").glob("*.cu"))
     return [str(s) for s in sources]

@@ -10,9 +10,12 @@ from torch import nn
 
 from . import checkpoint, ops
 from .config import TokenizerConfig
-from .layout import memory_format_of
+from .dispatch import select_backend
+from .layout import is_channels_last, memory_format_of
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Of every LayerNorm (stage and token norms): nn.LayerNorm's default.
+NORM_EPS = 1e-5
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -27,7 +30,9 @@ def _make_activation(name: str) -> nn.Module:
 
 
 def _make_stage_norm(name: str, channels: int) -> nn.Module:
-    return {"none": nn.Identity, "batchnorm": nn.BatchNorm2d, "layernorm": LayerNorm2d}[name](channels)
+    if name == "layernorm":
+        return LayerNorm2d(channels, eps=NORM_EPS)
+    return {"none": nn.Identity, "batchnorm": nn.BatchNorm2d}[name](channels)
 
 
 class SeparableStage(nn.Module):
@@ -61,7 +66,11 @@ class VisualTokenizer(nn.Module):
 
     forward(images) takes uint8 images (0..255; normalized with config.mean/std)
     or float images (already normalized), [B, in_chans, H, W] in any dense layout.
+    The backend (dispatch.py) runs the whole tokenizer: the reference in plain
+    PyTorch, or the native op torch.ops.lumenbridge.tokenize in one call.
     """
+
+    norm_eps = NORM_EPS
 
     def __init__(
         self,
@@ -92,7 +101,7 @@ class VisualTokenizer(nn.Module):
                 for i in range(cfg.num_stages)
             )
             self.act = _make_activation(cfg.activation)
-            self.token_norm = nn.LayerNorm(cfg.embed_dim) if cfg.token_norm else nn.Identity()
+            self.token_norm = nn.LayerNorm(cfg.embed_dim, eps=NORM_EPS) if cfg.token_norm else nn.Identity()
         self.register_buffer("pixel_mean", 255.0 * torch.tensor(cfg.mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("pixel_std", 255.0 * torch.tensor(cfg.std).view(1, -1, 1, 1), persistent=False)
 
@@ -110,6 +119,12 @@ class VisualTokenizer(nn.Module):
             # Padding K // 2 with odd K: each stage maps n to ceil(n / stride).
             height, width = -(-height // stride), -(-width // stride)
         return height, width
+
+    def padded_size(self, height: int, width: int) -> tuple[int, int]:
+        """The input extents after dynamic padding (unchanged without it)."""
+        if not self.dynamic_pad:
+            return height, width
+        return self._padded(height), self._padded(width)
 
     def _padded(self, extent: int) -> int:
         step = self.config.total_stride
@@ -150,31 +165,43 @@ class VisualTokenizer(nn.Module):
             x = (images.to(dtype) - self.pixel_mean.to(dtype)) / self.pixel_std.to(dtype)
         else:
             x = images.to(dtype)
-        if self.dynamic_pad:
-            height, width = x.shape[2:]
-            x = F.pad(x, (0, self._padded(width) - width, 0, self._padded(height) - height))
+        height, width = x.shape[2:]
+        padded_height, padded_width = self.padded_size(height, width)
+        if (padded_height, padded_width) != (height, width):
+            x = F.pad(x, (0, padded_width - width, 0, padded_height - height))
         # The kernels read dense NCHW or NHWC; keep channels-last input channels-last.
         return x.contiguous(memory_format=memory_format_of(x))
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The final feature map [B, D, h, w], before the token norm."""
+        """The final feature map [B, D, h, w], before the token norm, computed layer by layer."""
         self._check_images(images)
+        return self._features(images, self.backend)
+
+    def _features(self, images: torch.Tensor, backend: str | None) -> torch.Tensor:
         x = self._prepare(images)
         last = len(self.stages) - 1
         for index, stage in enumerate(self.stages):
-            x = stage(x, backend=self.backend)
+            x = stage(x, backend=backend)
             if index != last:
                 x = self.act(x)
         return x
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        tokens = self.token_norm(self.forward_features(images).permute(0, 2, 3, 1))  # [B, h, w, D]
+    def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:
+        """The tokens of already checked images, layer by layer, each convolution
+        through `backend`: the composition the fused op must match, and the
+        path gradients take."""
+        tokens = self.token_norm(self._features(images, backend).permute(0, 2, 3, 1))  # [B, h, w, D]
         fmt = self.config.output_fmt
         if fmt == "NHWC":
             return tokens
         if fmt == "NCHW":
             return tokens.permute(0, 3, 1, 2)
         return tokens.flatten(1, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self._check_images(images)
+        backend = select_backend(images.device, self.backend, channels_last=is_channels_last(images))
+        return backend.tokenize(images, self)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors into directory."""

@@ -36,6 +36,29 @@ def _depthwise_conv2d_backward_weight_fake(grad_output, input, kernel_size, stri
     return input.new_empty((c, 1, kernel_size, kernel_size)), input.new_empty((c,))
 
 
+def _grid(size: int, kernel_size: int, strides) -> int:
+    for stride in strides:
+        size = _output_extent(size, kernel_size, stride)
+    return size
+
+
+def _tokenize_fake(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, activation, stage_norm,
+                   norm_weights, norm_biases, token_norm_weight, token_norm_bias, eps, mean, std, padded_size,
+                   output_fmt):
+    k = dw_weights[0].shape[-1]
+    n, d = images.shape[0], pw_weights[-1].shape[0]
+    h, w = (_grid(extent, k, strides) for extent in padded_size)
+    shape = {"NLC": (n, h * w, d), "NHWC": (n, h, w, d), "NCHW": (n, d, h, w)}[output_fmt]
+    return dw_weights[0].new_empty(shape)
+
+
+def _tokenize_backward(ctx, grad):
+    raise RuntimeError(
+        "LumenBridge: lumenbridge::tokenize has no backward yet; VisualTokenizer computes gradients "
+        "through the per-layer kernels instead (it never calls tokenize when a gradient is needed)"
+    )
+
+
 def _like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """t in reference's layout: autograd may hand back any strides (e.g. from a
     transpose downstream), and the gateway reads only dense layouts."""
@@ -120,6 +143,10 @@ def _register_python_kernels() -> None:
     ):
         torch.library.register_fake(f"lumenbridge::{name}", fake)
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
+    torch.library.register_fake("lumenbridge::tokenize", _tokenize_fake)
+    torch.library.register_autograd(
+        "lumenbridge::tokenize", _tokenize_backward, setup_context=lambda ctx, inputs, output: None
+    )
 
 
 _registered = False
@@ -138,3 +165,56 @@ def ready() -> bool:
 
 def depthwise_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
     return ops.depthwise_conv2d(input, weight, bias, stride)
+
+
+def tokenize(images: torch.Tensor, model) -> torch.Tensor:
+    """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize, with
+    the parameters of `model` (a VisualTokenizer) in their nn layouts."""
+    cfg = model.config
+    stages = model.stages
+    dtype = stages[0].dw.weight.dtype
+    if images.dtype != torch.uint8:
+        images = images.to(dtype)
+    stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
+    token_norm = model.token_norm if cfg.token_norm else None
+    return ops.tokenize(
+        images.contiguous(memory_format=memory_format_of(images)),
+        [s.dw.weight for s in stages],
+        [s.dw.bias for s in stages],
+        [s.pw.weight for s in stages],
+        [s.pw.bias for s in stages],
+        list(cfg.strides),
+        cfg.activation,
+        stage_norm,
+        norm_weights,
+        norm_biases,
+        None if token_norm is None else token_norm.weight,
+        None if token_norm is None else token_norm.bias,
+        model.norm_eps,
+        [255.0 * m for m in cfg.mean],
+        [255.0 * s for s in cfg.std],
+        list(model.padded_size(*images.shape[2:])),
+        cfg.output_fmt,
+    )
+
+
+def _stage_norm_arguments(model) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
+    """The op's stage_norm and its per-stage tensors: LayerNorm as is, an
+    eval-mode BatchNorm as the per-channel affine map it computes."""
+    kind = model.config.stage_norm
+    norms = [s.norm for s in model.stages]
+    if kind == "none":
+        return "none", [], []
+    if kind == "layernorm":
+        return "layernorm", [n.weight for n in norms], [n.bias for n in norms]
+    scales = [n.weight * torch.rsqrt(n.running_var + n.eps) for n in norms]
+    shifts = [n.bias - n.running_mean * scale for n, scale in zip(norms, scales, strict=True)]
+    return "affine", scales, shifts
+
+
+def tokenize_path(device_type: str, cfg, dtype: torch.dtype) -> str:
+    """How tokenize runs a configuration on a device: "fused", or "composed: <why>"."""
+    if device_type != "cuda":
+        return "composed: the CPU kernels and ATen, one op call"
+    norm = "affine" if cfg.stage_norm == "batchnorm" else cfg.stage_norm
+    return ops.tokenize_path(dtype, cfg.in_chans, list(cfg.stage_widths), cfg.kernel_size, list(cfg.strides), norm)

@@ -10,6 +10,7 @@
 #include <atomic>
 
 #include "gateway.h"
+#include "tokenize.h"
 
 namespace lumenbridge {
 namespace {
@@ -196,6 +197,193 @@ std::tuple<at::Tensor, at::Tensor> backward_weight_entry(const at::Tensor& grad_
                 check_backward_weight(grad_output, input, kernel_size, stride));
 }
 
+// ---- tokenize: the whole tokenizer -------------------------------------------
+
+template <typename Enum>
+Enum parse_choice(const std::string& value, const char* what,
+                  std::initializer_list<std::pair<const char*, Enum>> choices) {
+  std::string names;
+  for (const auto& [name, e] : choices) {
+    if (value == name) return e;
+    names += names.empty() ? name : std::string(", ") + name;
+  }
+  TORCH_CHECK(false, "LumenBridge: ", what, " must be one of ", names, ", got '", value, "'");
+}
+
+void check_vector(const at::Tensor& t, const char* name, int64_t length) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == length, "LumenBridge: ", name, " must have shape [",
+              text(length), "], got ", text(t.sizes()));
+  TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
+}
+
+// A parameter of the call: same device and dtype as the first depthwise weight.
+void check_parameter(const at::Tensor& t, const at::Tensor& reference, const std::string& name) {
+  check_same_device(reference, "dw_weights[0]", t, name.c_str());
+  check_same_dtype(reference, "dw_weights[0]", t, name.c_str());
+}
+
+TokenizeStage check_stage(const TokenizeProblem& p, size_t i, int64_t in_channels,
+                          const at::Tensor& dw_weight, const at::Tensor& dw_bias,
+                          const at::Tensor& pw_weight, const at::Tensor& pw_bias,
+                          int64_t stride, const at::Tensor& reference) {
+  const std::string at = "stage " + text(static_cast<int64_t>(i)) + " ";
+  for (const auto& [t, name] : {std::pair{&dw_weight, "dw_weight"}, {&dw_bias, "dw_bias"},
+                                {&pw_weight, "pw_weight"}, {&pw_bias, "pw_bias"}}) {
+    check_parameter(*t, reference, at + name);
+  }
+  TORCH_CHECK(dw_weight.dim() == 4 && dw_weight.size(0) == in_channels && dw_weight.size(1) == 1 &&
+                  dw_weight.size(2) == p.K && dw_weight.size(3) == p.K,
+              "LumenBridge: ", at, "dw_weight must have shape [", text(in_channels), ", 1, ",
+              text(p.K), ", ", text(p.K), "], got ", text(dw_weight.sizes()));
+  TORCH_CHECK(dw_weight.is_contiguous(), "LumenBridge: ", at, "dw_weight must be contiguous");
+  check_vector(dw_bias, (at + "dw_bias").c_str(), in_channels);
+  TORCH_CHECK(pw_weight.dim() == 4 && pw_weight.size(0) >= 1 && pw_weight.size(1) == in_channels &&
+                  pw_weight.size(2) == 1 && pw_weight.size(3) == 1,
+              "LumenBridge: ", at, "pw_weight must have shape [C_out, ", text(in_channels),
+              ", 1, 1], got ", text(pw_weight.sizes()));
+  TORCH_CHECK(pw_weight.is_contiguous(), "LumenBridge: ", at, "pw_weight must be contiguous");
+  check_vector(pw_bias, (at + "pw_bias").c_str(), pw_weight.size(0));
+  check_stride(stride);
+  TokenizeStage stage;
+  stage.dw_weight = dw_weight;
+  stage.dw_bias = dw_bias;
+  stage.pw_weight = pw_weight;
+  stage.pw_bias = pw_bias;
+  stage.stride = stride;
+  stage.in_channels = in_channels;
+  stage.out_channels = pw_weight.size(0);
+  return stage;
+}
+
+TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weights,
+                               at::TensorList dw_biases, at::TensorList pw_weights,
+                               at::TensorList pw_biases, at::IntArrayRef strides,
+                               const std::string& activation, const std::string& stage_norm,
+                               at::TensorList norm_weights, at::TensorList norm_biases,
+                               const c10::optional<at::Tensor>& token_norm_weight,
+                               const c10::optional<at::Tensor>& token_norm_bias, double eps,
+                               at::ArrayRef<double> mean, at::ArrayRef<double> std,
+                               at::IntArrayRef padded_size, const std::string& output_fmt) {
+  const size_t S = dw_weights.size();
+  TORCH_CHECK(S >= 1, "LumenBridge: tokenize needs at least one stage (dw_weights is empty)");
+  TORCH_CHECK(dw_biases.size() == S && pw_weights.size() == S && pw_biases.size() == S &&
+                  strides.size() == S,
+              "LumenBridge: dw_weights, dw_biases, pw_weights, pw_biases and strides must have "
+              "one entry per stage, got ",
+              text({static_cast<int64_t>(dw_weights.size()), static_cast<int64_t>(dw_biases.size()),
+                    static_cast<int64_t>(pw_weights.size()), static_cast<int64_t>(pw_biases.size()),
+                    static_cast<int64_t>(strides.size())}));
+  const at::Tensor& reference = dw_weights[0];
+  check_dtype(reference, "dw_weights[0]");
+  check_4d(images, "images");
+  check_same_device(reference, "dw_weights[0]", images, "images");
+  TokenizeProblem p;
+  p.uint8_input = images.scalar_type() == at::kByte;
+  TORCH_CHECK(p.uint8_input || images.scalar_type() == reference.scalar_type(),
+              "LumenBridge: images must be uint8 (0..255) or have the parameters' dtype ",
+              text(reference.scalar_type()), ", got ", text(images.scalar_type()));
+  p.layout = check_layout({{&images, "images"}});
+  p.N = images.size(0);
+  p.C = images.size(1);
+  p.H = images.size(2);
+  p.W = images.size(3);
+  p.dtype = reference.scalar_type();
+  TORCH_CHECK(reference.dim() == 4, "LumenBridge: dw_weights[0] must have shape [C, 1, K, K], got ",
+              text(reference.sizes()));
+  p.K = reference.size(2);
+  check_kernel_size(p.K);
+  TORCH_CHECK(padded_size.size() == 2 && padded_size[0] >= p.H && padded_size[1] >= p.W,
+              "LumenBridge: padded_size must be [H, W] at least the image size ",
+              text({p.H, p.W}), ", got ", text(padded_size));
+  p.Hp = padded_size[0];
+  p.Wp = padded_size[1];
+  int64_t channels = p.C, h = p.Hp, w = p.Wp;
+  for (size_t i = 0; i < S; ++i) {
+    TokenizeStage stage = check_stage(p, i, channels, dw_weights[i], dw_biases[i], pw_weights[i],
+                                      pw_biases[i], strides[i], reference);
+    h = stage.out_h = depthwise_output_extent(h, p.K, stage.stride);
+    w = stage.out_w = depthwise_output_extent(w, p.K, stage.stride);
+    channels = stage.out_channels;
+    p.stages.push_back(stage);
+  }
+  p.activation = parse_choice<Activation>(activation, "activation",
+                                          {{"gelu", Activation::GELU}, {"relu", Activation::RELU},
+                                           {"silu", Activation::SILU}, {"none", Activation::NONE}});
+  p.stage_norm = parse_choice<StageNorm>(
+      stage_norm, "stage_norm",
+      {{"none", StageNorm::NONE}, {"layernorm", StageNorm::LAYERNORM}, {"affine", StageNorm::AFFINE}});
+  const size_t norms = p.stage_norm == StageNorm::NONE ? 0 : S;
+  TORCH_CHECK(norm_weights.size() == norms && norm_biases.size() == norms, "LumenBridge: stage_norm '",
+              stage_norm, "' needs ", text(static_cast<int64_t>(norms)),
+              " norm weights and biases (one per stage), got ",
+              text({static_cast<int64_t>(norm_weights.size()), static_cast<int64_t>(norm_biases.size())}));
+  for (size_t i = 0; i < norms; ++i) {
+    const std::string at = "stage " + text(static_cast<int64_t>(i)) + " norm_";
+    check_parameter(norm_weights[i], reference, at + "weight");
+    check_parameter(norm_biases[i], reference, at + "bias");
+    check_vector(norm_weights[i], (at + "weight").c_str(), p.stages[i].out_channels);
+    check_vector(norm_biases[i], (at + "bias").c_str(), p.stages[i].out_channels);
+    p.stages[i].norm_weight = norm_weights[i];
+    p.stages[i].norm_bias = norm_biases[i];
+  }
+  TORCH_CHECK(token_norm_weight.has_value() == token_norm_bias.has_value(),
+              "LumenBridge: token_norm_weight and token_norm_bias must be given together");
+  if (token_norm_weight.has_value()) {
+    check_parameter(*token_norm_weight, reference, "token_norm_weight");
+    check_parameter(*token_norm_bias, reference, "token_norm_bias");
+    check_vector(*token_norm_weight, "token_norm_weight", channels);
+    check_vector(*token_norm_bias, "token_norm_bias", channels);
+    p.token_norm_weight = *token_norm_weight;
+    p.token_norm_bias = *token_norm_bias;
+  }
+  TORCH_CHECK(eps > 0, "LumenBridge: eps must be positive, got ", std::to_string(eps));
+  p.eps = eps;
+  TORCH_CHECK(mean.size() == static_cast<size_t>(p.C) && std.size() == static_cast<size_t>(p.C),
+              "LumenBridge: mean and std need one entry per image channel (", text(p.C), "), got ",
+              text({static_cast<int64_t>(mean.size()), static_cast<int64_t>(std.size())}));
+  for (double s : std) {
+    TORCH_CHECK(s > 0, "LumenBridge: std entries must be positive, got ", std::to_string(s));
+  }
+  p.mean.assign(mean.begin(), mean.end());
+  p.std.assign(std.begin(), std.end());
+  p.format = parse_choice<TokenFormat>(
+      output_fmt, "output_fmt",
+      {{"NLC", TokenFormat::NLC}, {"NCHW", TokenFormat::NCHW}, {"NHWC", TokenFormat::NHWC}});
+  return p;
+}
+
+template <auto kernel>
+at::Tensor tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
+                          at::TensorList dw_biases, at::TensorList pw_weights,
+                          at::TensorList pw_biases, at::IntArrayRef strides,
+                          c10::string_view activation, c10::string_view stage_norm,
+                          at::TensorList norm_weights, at::TensorList norm_biases,
+                          const c10::optional<at::Tensor>& token_norm_weight,
+                          const c10::optional<at::Tensor>& token_norm_bias, double eps,
+                          at::ArrayRef<double> mean, at::ArrayRef<double> std,
+                          at::IntArrayRef padded_size, c10::string_view output_fmt) {
+  return kernel(images, check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases,
+                                       strides, std::string(activation), std::string(stage_norm),
+                                       norm_weights, norm_biases, token_norm_weight,
+                                       token_norm_bias, eps, mean, std, padded_size,
+                                       std::string(output_fmt)));
+}
+
+// Which CUDA path tokenize takes for a configuration: "fused", or "composed: <why>".
+std::string tokenize_path(at::ScalarType dtype, int64_t in_channels, at::IntArrayRef widths,
+                          int64_t kernel_size, at::IntArrayRef strides, c10::string_view stage_norm) {
+#ifdef LUMENBRIDGE_WITH_CUDA
+  const StageNorm norm = parse_choice<StageNorm>(
+      std::string(stage_norm), "stage_norm",
+      {{"none", StageNorm::NONE}, {"layernorm", StageNorm::LAYERNORM}, {"affine", StageNorm::AFFINE}});
+  const std::string reason =
+      cuda::fused_unsupported_reason(dtype, in_channels, widths.vec(), kernel_size, strides.vec(), norm);
+  return reason.empty() ? "fused" : "composed: " + reason;
+#else
+  return "composed: the extension was built without CUDA kernels";
+#endif
+}
+
 }  // namespace
 
 std::string text(int64_t value) { return std::to_string(value); }
@@ -227,6 +415,14 @@ TORCH_LIBRARY(lumenbridge, m) {
   m.def(
       "depthwise_conv2d_backward_weight(Tensor grad_output, Tensor input, int kernel_size, "
       "int stride) -> (Tensor, Tensor)");
+  m.def(
+      "tokenize(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
+      "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
+      "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
+      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> Tensor");
+  m.def("tokenize_path(ScalarType dtype, int in_channels, int[] widths, int kernel_size, int[] strides, "
+      "str stage_norm) -> str",
+        &tokenize_path);
   m.def("_set_poison_outputs(bool enabled) -> ()", &set_poison_outputs);
 }
 
@@ -235,6 +431,7 @@ TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("depthwise_conv2d_backward_input", &backward_input_entry<cpu::depthwise_backward_input>);
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cpu::depthwise_backward_weight>);
+  m.impl("tokenize", &tokenize_entry<cpu::tokenize>);
 }
 
 #ifdef LUMENBRIDGE_WITH_CUDA
@@ -244,6 +441,7 @@ TORCH_LIBRARY_IMPL(lumenbridge, CUDA, m) {
          &backward_input_entry<cuda::depthwise_backward_input>);
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cuda::depthwise_backward_weight>);
+  m.impl("tokenize", &tokenize_entry<cuda::tokenize>);
 }
 #endif
 

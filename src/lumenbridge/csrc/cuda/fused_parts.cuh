@@ -1,0 +1,327 @@
+// Parts of the fused stage kernels (tokenize_fused.cu): tensor-core GEMM of a
+// block's depthwise tile with the pointwise weight, the epilogue that writes a
+// tile of stage outputs or tokens, and the small device helpers they share.
+//
+// A block owns kTileRows output pixels. Its depthwise results, A [64 x Kp] in
+// the compute dtype, live in shared memory only; each warp multiplies all 64
+// rows by its own columns of the pointwise weight, read straight from the
+// nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
+// per 32 input channels. That load holds 8 consecutive input channels, so A's
+// columns are stored permuted to match (a_column); no packed copy of the
+// weights exists anywhere.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../tokenize.h"
+#include "common.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+namespace fused {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileRows = 64;               // output pixels per block: the GEMM's M
+constexpr int kMTiles = kTileRows / 16;     // m16 tiles per warp (every warp takes all rows)
+constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
+constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
+constexpr int kMaxSharedBytes = 227 * 1024; // per block on sm_90
+
+// Row stride (elements) of a shared [rows x cols] tile, cols a multiple of 8:
+// an odd number of 16-byte units, so 8 consecutive rows fall in distinct banks.
+__host__ __device__ constexpr int padded_stride(int cols) {
+  return (cols / 8) % 2 == 0 ? cols + 8 : cols + 16;
+}
+__host__ __device__ constexpr int round_up(int v, int m) { return (v + m - 1) / m * m; }
+__host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// ---- compute dtype ------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<at::BFloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<at::Half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u);
+template <>
+__device__ __forceinline__ float2 unpack2<at::BFloat16>(uint32_t u) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<at::Half>(uint32_t u) {
+  return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+
+// 8 consecutive elements as floats, from a 16-byte-aligned address.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+  return make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
+                    pack2<T>(v[6], v[7]));
+}
+
+__device__ __forceinline__ float activate(float v, Activation act) {
+  switch (act) {
+    case Activation::GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case Activation::RELU: return fmaxf(v, 0.0f);
+    case Activation::SILU: return v / (1.0f + __expf(-v));
+    case Activation::NONE: return v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// ---- A tile: depthwise results in the GEMM's column order ----------------------
+
+// Writes channels c0 .. c0+7 (c0 a multiple of 8) of one A row. Within each
+// group of 32 channels, lane t of a quad reads channels 8t .. 8t+7 of the
+// weight in one load; the mma k-steps want them at columns 2t, 2t+1 (b0),
+// 2t+8, 2t+9 (b1) of the first k16 step and the same of the second.
+template <typename T>
+__device__ __forceinline__ void store_a8(T* row, int c0, const float (&v)[8]) {
+  T* p = row + (c0 & ~31) + 2 * ((c0 & 31) >> 3);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) *reinterpret_cast<uint32_t*>(p + 8 * i) = pack2<T>(v[2 * i], v[2 * i + 1]);
+}
+
+// ---- GEMM ------------------------------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// The pointwise weight [Cout, Cin] as the GEMM's B operand.
+template <typename T>
+struct PointwiseWeight {
+  const T* weight;
+  const T* bias;
+  int in_channels, out_channels;
+  bool vector;  // Cin % 8 == 0 and 16-byte aligned: one load per fragment
+
+  // Input channels k .. k+7 of output channel n; zeros past either extent.
+  __device__ __forceinline__ uint4 load(int n, int k) const {
+    if (vector && n < out_channels && k < in_channels) {
+      return __ldg(reinterpret_cast<const uint4*>(weight + static_cast<int64_t>(n) * in_channels + k));
+    }
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      v[e] = n < out_channels && k + e < in_channels
+                 ? static_cast<float>(weight[static_cast<int64_t>(n) * in_channels + k + e])
+                 : 0.0f;
+    }
+    return pack8<T>(v);  // exact: the values are already in T
+  }
+};
+
+// out_tile[row][n] = act(A[row] . weight[n] + bias[n]) in T for the block's
+// 64 rows and all Cout columns. Each warp takes kNTiles column tiles per
+// pass; B fragments for the next 32 channels load while the current ones multiply.
+template <typename T>
+__device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw,
+                          Activation act, T* out_tile, int out_stride) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4, quad = lane % 4;
+  const int column_tiles = (pw.out_channels + 7) / 8;
+  const int k_groups = k_padded / kChannelGroup;
+  const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
+  for (int tile0 = warp * kNTiles; tile0 < column_tiles; tile0 += kWarps * kNTiles) {
+    float acc[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+      }
+    }
+    uint4 b[kNTiles];
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) b[j] = pw.load((tile0 + j) * 8 + group, quad * 8);
+    for (int kg = 0; kg < k_groups; ++kg) {
+      uint4 next[kNTiles];
+      const bool more = kg + 1 < k_groups;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        next[j] = more ? pw.load((tile0 + j) * 8 + group, (kg + 1) * kChannelGroup + quad * 8) : b[j];
+      }
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+          ldmatrix_x4(a[m], a_lane + m * 16 * a_stride + kg * kChannelGroup + step * 16);
+        }
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+            mma_16816<T>(acc[m][j], a[m], step ? b[j].z : b[j].x, step ? b[j].w : b[j].y);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) b[j] = next[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+      const int n = (tile0 + j) * 8 + 2 * quad;
+      if (tile0 + j >= column_tiles) continue;
+      const float bias0 = n < pw.out_channels ? static_cast<float>(pw.bias[n]) : 0.0f;
+      const float bias1 = n + 1 < pw.out_channels ? static_cast<float>(pw.bias[n + 1]) : 0.0f;
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+        const int row = m * 16 + group;
+        *reinterpret_cast<uint32_t*>(out_tile + row * out_stride + n) =
+            pack2<T>(activate(acc[m][j][0] + bias0, act), activate(acc[m][j][1] + bias1, act));
+        *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * out_stride + n) =
+            pack2<T>(activate(acc[m][j][2] + bias0, act), activate(acc[m][j][3] + bias1, act));
+      }
+    }
+  }
+}
+
+// ---- epilogue: the block's outputs to device memory ----------------------------
+
+// Where a block writes, and what it does on the way: the intermediate stage
+// output (NHWC rows), or the tokens (rows for NLC / NHWC, planes for NCHW),
+// with the token LayerNorm when `norm_weight` is set.
+template <typename T>
+struct TileOutput {
+  T* out;
+  int channels;
+  int64_t plane;  // output pixels per image, for NCHW
+  bool planes;    // NCHW tokens
+  bool vector;    // rows of 16-byte-aligned multiples of 8 channels
+  const T* norm_weight;
+  const T* norm_bias;
+  float eps;
+};
+
+// Shared-memory bookkeeping of one block: each row's flattened output pixel
+// index (or -1 past the edge) and, with a token norm, its mean and 1/std.
+struct RowInfo {
+  int64_t pixel[kTileRows];
+  float mean[kTileRows];
+  float rstd[kTileRows];
+};
+
+// Two passes over each row from shared memory, as PyTorch's LayerNorm does in
+// float from the rounded pointwise output.
+template <typename T>
+__device__ void row_statistics(const T* tile, int stride, int channels, float eps, RowInfo& rows) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kTileRows; r += kWarps) {
+    if (rows.pixel[r] < 0) continue;
+    const T* row = tile + r * stride;
+    float sum = 0.0f;
+    for (int c = lane; c < channels; c += 32) sum += static_cast<float>(row[c]);
+    const float mean = warp_sum(sum) / channels;
+    float squares = 0.0f;
+    for (int c = lane; c < channels; c += 32) {
+      const float d = static_cast<float>(row[c]) - mean;
+      squares += d * d;
+    }
+    const float variance = warp_sum(squares) / channels;
+    if (lane == 0) {
+      rows.mean[r] = mean;
+      rows.rstd[r] = rsqrtf(variance + eps);
+    }
+  }
+}
+
+// Writes the block's tile (after the GEMM, behind a barrier) to device memory.
+template <typename T>
+__device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, RowInfo& rows) {
+  const bool norm = o.norm_weight != nullptr;
+  if (norm) {
+    row_statistics(tile, stride, o.channels, o.eps, rows);
+    __syncthreads();
+  }
+  auto transform = [&](float v, int r, int c) {
+    return norm ? (v - rows.mean[r]) * rows.rstd[r] * static_cast<float>(o.norm_weight[c]) +
+                      static_cast<float>(o.norm_bias[c])
+                : v;
+  };
+  if (o.planes) {
+    // Consecutive threads take consecutive pixels of one channel plane.
+    for (int item = threadIdx.x; item < kTileRows * o.channels; item += kThreads) {
+      const int r = item % kTileRows, c = item / kTileRows;
+      const int64_t pixel = rows.pixel[r];
+      if (pixel < 0) continue;
+      const int64_t image = pixel / o.plane, offset = pixel % o.plane;
+      o.out[(image * o.channels + c) * o.plane + offset] =
+          static_cast<T>(transform(static_cast<float>(tile[r * stride + c]), r, c));
+    }
+  } else if (o.vector) {
+    const int groups = o.channels / 8;
+    for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
+      const int r = item / groups, c = (item % groups) * 8;
+      const int64_t pixel = rows.pixel[r];
+      if (pixel < 0) continue;
+      float v[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(tile + r * stride + c), v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = transform(v[e], r, c + e);
+      *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = pack8<T>(v);
+    }
+  } else {
+    for (int item = threadIdx.x; item < kTileRows * o.channels; item += kThreads) {
+      const int r = item / o.channels, c = item % o.channels;
+      const int64_t pixel = rows.pixel[r];
+      if (pixel < 0) continue;
+      o.out[pixel * o.channels + c] =
+          static_cast<T>(transform(static_cast<float>(tile[r * stride + c]), r, c));
+    }
+  }
+}
+
+}  // namespace fused
+}  // namespace cuda
+}  // namespace lumenbridge

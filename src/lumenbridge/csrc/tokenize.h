@@ -1,0 +1,75 @@
+// The contract of lumenbridge::tokenize, the whole tokenizer as one op: the
+// gateway (gateway.cpp) validates every argument once and builds a
+// TokenizeProblem; the per-device implementations trust it.
+//   cpu:  composed from the CPU depthwise kernels and ATen (tokenize_composed.cpp)
+//   cuda: the fused stage kernels (cuda/tokenize_fused.cu) where they cover the
+//         problem, else the same composition over the CUDA depthwise kernels.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "gateway.h"
+
+namespace lumenbridge {
+
+enum class Activation { GELU, RELU, SILU, NONE };
+// "affine" is a per-channel scale and shift: how the model passes an eval-mode
+// BatchNorm. A training-mode BatchNorm needs batch statistics and never reaches the op.
+enum class StageNorm { NONE, LAYERNORM, AFFINE };
+enum class TokenFormat { NLC, NCHW, NHWC };
+
+// One stage: depthwise K x K (stride) with bias, pointwise 1 x 1 with bias,
+// then the optional stage norm. Tensors are the model's parameters in their
+// nn layouts: dw [Cin, 1, K, K], pw [Cout, Cin, 1, 1].
+struct TokenizeStage {
+  at::Tensor dw_weight, dw_bias, pw_weight, pw_bias, norm_weight, norm_bias;
+  int64_t stride, in_channels, out_channels;
+  int64_t out_h, out_w;  // output extents of this stage
+};
+
+struct TokenizeProblem {
+  int64_t N, C, H, W;  // images as given
+  int64_t Hp, Wp;      // extents after zero padding (in normalized space) on the bottom/right
+  Layout layout;
+  bool uint8_input;
+  at::ScalarType dtype;  // compute and output dtype: the parameters'
+  int64_t K;
+  std::vector<TokenizeStage> stages;
+  Activation activation;  // between stages, none after the last
+  StageNorm stage_norm;
+  at::Tensor token_norm_weight, token_norm_bias;  // undefined without a token norm
+  double eps;                                     // of every LayerNorm
+  std::vector<double> mean, std;                  // uint8 normalization, 0..255 scale
+  TokenFormat format;
+
+  int64_t embed_dim() const { return stages.back().out_channels; }
+  int64_t grid_h() const { return stages.back().out_h; }
+  int64_t grid_w() const { return stages.back().out_w; }
+  bool has_token_norm() const { return token_norm_weight.defined(); }
+  // The sizes of the op's output (contiguous) in the requested format.
+  std::vector<int64_t> output_sizes() const;
+};
+
+// The tokenizer composed from per-layer kernels: `depthwise` is the device's
+// depthwise forward entry point, everything else is ATen. The reference
+// semantics, shared by the CPU and by CUDA problems the fused kernels do not cover.
+using DepthwiseEntry = at::Tensor (*)(const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const DepthwiseProblem&);
+at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
+                             DepthwiseEntry depthwise);
+
+// The tokenize entry of each device.
+namespace cpu {
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
+}
+namespace cuda {
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
+// Why the fused kernels do not cover a configuration ("" when they do); the
+// one statement of what they support. `widths` and `strides` are per stage.
+std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
+                                     const std::vector<int64_t>& widths, int64_t kernel_size,
+                                     const std::vector<int64_t>& strides, StageNorm norm);
+}  // namespace cuda
+
+}  // namespace lumenbridge

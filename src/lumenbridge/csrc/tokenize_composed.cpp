@@ -1,0 +1,109 @@
+// The tokenizer composed from per-layer kernels: LumenBridge's depthwise
+// kernels for the device, ATen for the pointwise convolutions (cuDNN/oneDNN,
+// honouring PyTorch's TF32 switch), activations and norms. It is the CPU
+// implementation of lumenbridge::tokenize and the CUDA one for configurations
+// the fused kernels do not cover; it follows the reference model step by step.
+#include <ATen/ATen.h>
+
+#include "tokenize.h"
+
+namespace lumenbridge {
+namespace {
+
+at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p) {
+  at::Tensor x = images.to(p.dtype);
+  if (p.uint8_input) {
+    // In the parameters' dtype, as the reference model does it.
+    for (int64_t c = 0; c < p.C; ++c) x.select(1, c).sub_(p.mean[c]).div_(p.std[c]);
+  }
+  if (p.Hp != p.H || p.Wp != p.W) {
+    // Zero padding after normalization: padded pixels are 0, not `mean`.
+    x = at::constant_pad_nd(x, {0, p.Wp - p.W, 0, p.Hp - p.H});
+  }
+  return x.contiguous(p.layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                               : at::MemoryFormat::Contiguous);
+}
+
+at::Tensor activate(const at::Tensor& x, Activation activation) {
+  switch (activation) {
+    case Activation::GELU: return at::gelu(x);  // the erf form
+    case Activation::RELU: return at::relu(x);
+    case Activation::SILU: return at::silu(x);
+    case Activation::NONE: return x;
+  }
+  return x;
+}
+
+at::Tensor stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p) {
+  switch (p.stage_norm) {
+    case StageNorm::NONE: return x;
+    case StageNorm::AFFINE:
+      return x * stage.norm_weight.view({1, -1, 1, 1}) + stage.norm_bias.view({1, -1, 1, 1});
+    case StageNorm::LAYERNORM:
+      return at::layer_norm(x.permute({0, 2, 3, 1}), {stage.out_channels}, stage.norm_weight,
+                            stage.norm_bias, p.eps)
+          .permute({0, 3, 1, 2});
+  }
+  return x;
+}
+
+// Dense NCHW or NHWC, whichever the depthwise kernels read for this layout.
+at::Tensor dense(const at::Tensor& x, Layout layout) {
+  return x.contiguous(layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                             : at::MemoryFormat::Contiguous);
+}
+
+}  // namespace
+
+std::vector<int64_t> TokenizeProblem::output_sizes() const {
+  switch (format) {
+    case TokenFormat::NLC: return {N, grid_h() * grid_w(), embed_dim()};
+    case TokenFormat::NHWC: return {N, grid_h(), grid_w(), embed_dim()};
+    case TokenFormat::NCHW: return {N, embed_dim(), grid_h(), grid_w()};
+  }
+  return {};
+}
+
+at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
+                             DepthwiseEntry depthwise) {
+  at::Tensor x = normalized_images(images, p);
+  int64_t h = p.Hp, w = p.Wp;
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const TokenizeStage& stage = p.stages[i];
+    DepthwiseProblem dw;
+    dw.N = p.N;
+    dw.C = stage.in_channels;
+    dw.H = h;
+    dw.W = w;
+    dw.K = p.K;
+    dw.stride = stage.stride;
+    dw.pad = p.K / 2;
+    dw.Ho = stage.out_h;
+    dw.Wo = stage.out_w;
+    dw.layout = p.layout;
+    x = depthwise(dense(x, p.layout), stage.dw_weight, stage.dw_bias, dw);
+    x = stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
+    if (i + 1 < p.stages.size()) x = activate(x, p.activation);
+    h = stage.out_h;
+    w = stage.out_w;
+  }
+  at::Tensor tokens = x.permute({0, 2, 3, 1});  // [N, h, w, D]
+  if (p.has_token_norm()) {
+    tokens = at::layer_norm(tokens, {p.embed_dim()}, p.token_norm_weight, p.token_norm_bias, p.eps);
+  }
+  at::Tensor out = new_output(p.output_sizes(), tokens.options(), at::MemoryFormat::Contiguous);
+  switch (p.format) {
+    case TokenFormat::NLC: out.copy_(tokens.reshape({p.N, p.grid_h() * p.grid_w(), p.embed_dim()})); break;
+    case TokenFormat::NHWC: out.copy_(tokens); break;
+    case TokenFormat::NCHW: out.copy_(tokens.permute({0, 3, 1, 2})); break;
+  }
+  return out;
+}
+
+namespace cpu {
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
+  return tokenize_composed(images, p, &cpu::depthwise_forward);
+}
+}  // namespace cpu
+
+}  // namespace lumenbridge

@@ -36,7 +36,7 @@ if [[ $parts == *" sanitize "* ]]; then
   # initialize the inputs (filtered, it reports their writes as missing).
   for tool in memcheck racecheck synccheck; do
     step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      --kernel-name kns=depthwise python3 scripts/sanitize_kernels.py
+      --kernel-name kns=lumenbridge python3 scripts/sanitize_kernels.py
   done
   step sanitizer-initcheck compute-sanitizer --tool initcheck --error-exitcode 9 \
     python3 scripts/sanitize_kernels.py
@@ -44,7 +44,8 @@ fi
 if [[ $parts == *" bench "* ]]; then
   step benchmark python3 benchmarks/bench_depthwise.py --out "$OUT"
   step tokenizer-benchmark python3 benchmarks/bench_tokenizer.py --out "$OUT"
-  cat "$OUT"/depthwise.md "$OUT"/tokenizer.md 2>/dev/null
+  step fused-benchmark python3 benchmarks/bench_fused.py --out "$OUT" ${FUSED_BENCH_ARGS:-}
+  cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

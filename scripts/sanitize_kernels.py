@@ -11,6 +11,9 @@ C = 32 takes 16-byte channel chunks in NHWC, C = 6 8-byte (fp32) ones, C = 13
 single elements. A last batch of 96 x 64 x 32 x 32 problems gives every
 resident block of the pipelined kernels several tiles, so the hand-over
 between a block's tile buffers runs under the tools too.
+Then the fused tokenize kernels, on the shared sample cases
+(lumenbridge.testing.tokenize_cases: every K, stride pattern, activation,
+input kind, layout, output format and odd width) in bfloat16 and float16.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
 """
 
@@ -19,6 +22,7 @@ import itertools
 import torch
 
 from lumenbridge import native
+from lumenbridge.testing import tokenize_cases
 
 assert native.ready(), "the LumenBridge extension did not build"
 ops = torch.ops.lumenbridge
@@ -45,5 +49,12 @@ for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS):
     grad = torch.randn_like(ops.depthwise_conv2d(x, weight, None, stride))
     ops.depthwise_conv2d_backward_input(grad, weight, stride, [32, 32])
     ops.depthwise_conv2d_backward_weight(grad, x, 3, stride)
+for case, dtype in itertools.product(tokenize_cases(), (torch.bfloat16, torch.float16)):
+    if case.config.stage_norm != "none":
+        continue  # composed from the kernels above, not fused
+    model = case.model().to("cuda", dtype)
+    images = case.images().to("cuda")
+    with torch.inference_mode():
+        native.tokenize(images if images.dtype == torch.uint8 else images.to(dtype), model)
 torch.cuda.synchronize()
 print("sanitize_kernels: all variants ran")

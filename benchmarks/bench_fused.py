@@ -1,0 +1,243 @@
+"""Whole-tokenizer forward on a CUDA GPU: LumenBridge (VisualTokenizer, which
+calls the fused op torch.ops.lumenbridge.tokenize) against its peers in the
+same run, with the floors.
+
+Providers (same architecture, same weights):
+  lumenbridge     VisualTokenizer on the native backend (the one fused op)
+  eager           the architecture in plain PyTorch (PlainTokenizer below)
+  compile-ma      torch.compile(PlainTokenizer, mode="max-autotune-no-cudagraphs")
+  compile-ro      torch.compile(PlainTokenizer, mode="reduce-overhead") (CUDA graphs; small batches)
+  vit-patch       ViT-B/16's patch embedding (Conv2d 3 -> 768, 16 x 16, stride 16), for scale
+Floors: the pointwise FLOPs at the measured bf16 matmul rate, and the bytes
+of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
+
+Each row also records peak forward memory above the inputs
+(torch.cuda.max_memory_allocated). Usage:
+  python benchmarks/bench_fused.py --out DIR [--quick] [--providers NAME ...]
+--quick times only bf16 at B=1 and B=256 (for a tight device budget);
+--providers keeps only the named providers (the floors always stay).
+Writes DIR/fused.json, DIR/fused.md and DIR/fused.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from bench_depthwise import copy_bandwidth_gbs, environment, median_ms
+from torch import nn
+
+from lumenbridge import TokenizerConfig, VisualTokenizer, native
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (batch, side): the issue's cases.
+SIZES = [(1, 224), (8, 224), (64, 224), (256, 224), (64, 448)]
+
+
+class PlainTokenizer(nn.Module):
+    """The tokenizer as a user writes it in plain PyTorch, sharing the
+    parameters of a VisualTokenizer."""
+
+    def __init__(self, model: VisualTokenizer):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.Sequential(s.dw, s.pw) for s in model.stages)
+        self.act, self.norm = model.act, model.token_norm
+        self.register_buffer("mean", model.pixel_mean)
+        self.register_buffer("std", model.pixel_std)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images
+        if x.dtype == torch.uint8:
+            dtype = self.stages[0][0].weight.dtype
+            x = (x.to(dtype) - self.mean.to(dtype)) / self.std.to(dtype)
+        for i, stage in enumerate(self.stages):
+            x = stage(x)
+            x = self.act(x) if i + 1 < len(self.stages) else x
+        return self.norm(x.flatten(2).transpose(1, 2))
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
+
+
+def floors_ms(config: TokenizerConfig, batch: int, side: int, copy_gbs: float, tflops: float) -> dict:
+    """The arithmetic floor and three byte floors (bf16 activations)."""
+    widths = (config.in_chans, *config.stage_widths)
+    sides, s = [side], side
+    for stride in config.strides:
+        s = -(-s // stride)
+        sides.append(s)
+    flops = sum(2 * sides[i + 1] ** 2 * widths[i] * widths[i + 1] for i in range(len(widths) - 1))
+    out = [2 * sides[i + 1] ** 2 * widths[i + 1] for i in range(len(widths) - 1)]  # bytes per stage output
+    image = 2 * side * side * config.in_chans
+
+    def ms(bytes_per_image):
+        return batch * bytes_per_image / copy_gbs / 1e6
+
+    return {
+        "arithmetic": batch * flops / tflops / 1e9,
+        "stages separate": ms(image + 2 * sum(out[:-1]) + out[-1]),
+        "1+2 fused": ms(image + 2 * sum(out[1:-1]) + out[-1]),
+        "1+2, 3+4 fused": ms(image + 2 * out[1] + out[-1]),
+    }
+
+
+def peak_mb(fn, inputs: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def graphed(model: VisualTokenizer):
+    """model as a CUDA graph replay, captured on the first call's input shape."""
+    state = {}
+
+    def call(x):
+        if "graph" not in state:
+            state["input"] = x.clone()
+            model(state["input"])
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["output"] = model(state["input"])
+        state["input"].copy_(x)
+        state["graph"].replay()
+        return state["output"]
+
+    return call
+
+
+def providers(model: VisualTokenizer, batch: int):
+    plain = PlainTokenizer(model)
+    torch.compiler.reset()
+    result = {
+        "lumenbridge": model,
+        "eager": plain,
+        "compile-ma": torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False),
+    }
+    if batch <= 8:
+        result["compile-ro"] = torch.compile(PlainTokenizer(model), mode="reduce-overhead", dynamic=False)
+        result["lumenbridge-graph"] = graphed(model)
+    patch = nn.Conv2d(3, 768, 16, 16).to("cuda", model.stages[0].dw.weight.dtype)
+    result["vit-patch"] = lambda x: patch(x).flatten(2).transpose(1, 2)
+    return result
+
+
+def run(quick: bool, keep: list[str] | None) -> dict:
+    env = environment()
+    copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
+    config = TokenizerConfig.preset("lumenbridge-base")
+    rows = []
+    dtypes = {"bf16": DTYPES["bf16"]} if quick else DTYPES
+    sizes = [(1, 224), (256, 224)] if quick else SIZES
+    for dtype_name, dtype in dtypes.items():
+        for batch, side in sizes:
+            model = VisualTokenizer(config, seed=0).to("cuda", dtype).eval()
+            uint8 = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8, device="cuda")
+            floats = torch.randn(batch, 3, side, side, device="cuda", dtype=dtype)
+            inputs = {
+                "uint8": uint8.contiguous(memory_format=torch.channels_last),
+                "float": floats.contiguous(memory_format=torch.channels_last),
+            }
+            path = native.tokenize_path("cuda", config, dtype)
+            for name, fn in providers(model, batch).items():
+                if keep and name not in keep:
+                    continue
+                for kind, x in inputs.items():
+                    if name == "vit-patch" and kind == "uint8":
+                        continue
+                    with torch.inference_mode():
+                        ms = median_ms(lambda fn=fn, x=x: fn(x), warmup=10, repeats=50)
+                        memory = peak_mb(lambda fn=fn, x=x: fn(x), x)
+                    rows.append(
+                        {"dtype": dtype_name, "batch": batch, "side": side, "provider": name, "input": kind,
+                         "ms": ms, "peak_mb": memory, "path": path if name == "lumenbridge" else ""}
+                    )
+                    print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
+            floors = floors_ms(config, batch, side, copy_gbs, tflops)
+            rows += [
+                {"dtype": dtype_name, "batch": batch, "side": side, "provider": f"floor: {k}", "input": "",
+                 "ms": v, "peak_mb": 0.0, "path": ""}
+                for k, v in floors.items()
+            ]
+            del model, inputs
+            torch.cuda.empty_cache()
+    return {"environment": env, "copy_gbs": copy_gbs, "matmul_tflops": tflops, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, Python {env['python']}, "
+        f"{env['date']}; lumenbridge-base, channels-last input. Copy {result['copy_gbs']:.0f} GB/s, "
+        f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s (same run). Median ms; peak MB above the inputs.",
+        "",
+        "| dtype | B | side | provider | input | ms | vs lumenbridge | peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = result["rows"]
+    for r in rows:
+        ours = next(
+            (o["ms"] for o in rows if o["provider"] == "lumenbridge" and o["input"] == (r["input"] or "float")
+             and (o["dtype"], o["batch"], o["side"]) == (r["dtype"], r["batch"], r["side"])),
+            None,
+        )
+        ratio = f"{r['ms'] / ours:.2f}x" if ours else ""
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {r['side']} | {r['provider']} | {r['input']} | {r['ms']:.4f} | "
+            f"{ratio} | {r['peak_mb']:.0f} |"
+        )
+    paths = sorted({(r["dtype"], r["path"]) for r in rows if r["path"]})
+    lines += ["", "LumenBridge path: " + "; ".join(f"{d}: {p}" for d, p in paths)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["dtype"] == "bf16" and r["input"] in ("float", "")]
+    cases = sorted({(r["batch"], r["side"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    names = [p for p in dict.fromkeys(r["provider"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for name in names:
+        points = [(i, r["ms"]) for i, case in enumerate(cases) for r in rows
+                  if r["provider"] == name and (r["batch"], r["side"]) == case]
+        style = "--" if name.startswith("floor") else "-o"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=name)
+    ax.set_xticks(range(len(cases)), [f"B={b}, {s}²" for b, s in cases])
+    ax.set_yscale("log")
+    ax.set_ylabel("forward ms (bf16, float input)")
+    ax.set_title("Tokenizer forward against its floors, " + result["environment"]["gpu"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--providers", nargs="+")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not native.ready():
+        raise SystemExit("needs a CUDA GPU and the built LumenBridge extension")
+    result = run(args.quick, args.providers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fused.json").write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (args.out / "fused.md").write_text(table)
+    plot(result, args.out / "fused.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Sample inputs and the tolerance rule shared by the tests, the sanitizer
+script and the benchmarks: one list of tokenizer cases, so every check sees
+the same configurations."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .config import TokenizerConfig
+from .model import VisualTokenizer
+
+BASE = TokenizerConfig.preset("lumenbridge-base")
+# Narrow widths, none a multiple of 16 (two not even of 8), keep CPU runs fast
+# and reach the kernels' padded-channel paths.
+NARROW = dataclasses.replace(BASE, embed_dim=40, stage_widths=(12, 20, 36, 40))
+ODD = dataclasses.replace(BASE, embed_dim=42, stage_widths=(10, 22, 34, 42))
+
+
+@dataclass(frozen=True)
+class TokenizeCase:
+    """One call of the tokenizer: a config plus the images it gets."""
+
+    name: str
+    config: TokenizerConfig
+    batch: int = 3
+    size: tuple[int, int] = (64, 64)
+    uint8: bool = True
+    channels_last: bool = False
+    dynamic_pad: bool = False
+
+    def model(self, seed: int = 0) -> VisualTokenizer:
+        """Fresh random parameters, including random norm statistics and affine terms."""
+        model = VisualTokenizer(self.config, dynamic_pad=self.dynamic_pad, seed=seed).eval()
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.LayerNorm, torch.nn.BatchNorm2d)):
+                    module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape, generator=generator))
+                    module.bias.copy_(0.2 * torch.randn(module.bias.shape, generator=generator))
+                if isinstance(module, torch.nn.BatchNorm2d):
+                    module.running_mean.copy_(0.3 * torch.randn(module.running_mean.shape, generator=generator))
+                    module.running_var.copy_(torch.rand(module.running_var.shape, generator=generator) + 0.5)
+        return model
+
+    def images(self, seed: int = 0) -> torch.Tensor:
+        """uint8 pixels, or float images already normalized (roughly unit scale)."""
+        generator = torch.Generator().manual_seed(seed + 2)
+        shape = (self.batch, self.config.in_chans, *self.size)
+        if self.uint8:
+            x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        else:
+            x = torch.randn(shape, generator=generator)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+
+def _case(name: str, config: TokenizerConfig = BASE, **kwargs) -> TokenizeCase:
+    return TokenizeCase(name, config, **kwargs)
+
+
+def tokenize_cases() -> list[TokenizeCase]:
+    """The cases every tokenize check runs: presets, kernel sizes, strides,
+    activations, norms, input kinds, layouts, formats, batches and sizes."""
+    rep = dataclasses.replace
+    return [
+        _case("small", TokenizerConfig.preset("lumenbridge-small")),
+        _case("base"),
+        _case("large", TokenizerConfig.preset("lumenbridge-large"), batch=1),
+        _case("base-float-channels-last", uint8=False, channels_last=True),
+        _case("base-uint8-channels-last", channels_last=True),
+        _case("k5", rep(NARROW, kernel_size=5)),
+        _case("k7", rep(NARROW, kernel_size=7), size=(48, 80)),
+        _case("mixed-strides", rep(NARROW, strides=(2, 1, 2, 2)), size=(32, 48)),
+        _case("stride-1-first", rep(NARROW, strides=(1, 2, 2, 2)), size=(32, 32)),
+        _case("relu-nchw-out", rep(NARROW, activation="relu", output_fmt="NCHW")),
+        _case("silu-nhwc-out", rep(NARROW, activation="silu", output_fmt="NHWC"), channels_last=True),
+        _case("no-activation", rep(NARROW, activation="none")),
+        _case("no-token-norm", rep(NARROW, token_norm=False), uint8=False),
+        _case("layernorm-stages", rep(NARROW, stage_norm="layernorm")),
+        _case("batchnorm-stages", rep(NARROW, stage_norm="batchnorm")),
+        _case("odd-widths", ODD, size=(48, 80)),
+        _case("odd-widths-nchw-out", rep(ODD, output_fmt="NCHW"), uint8=False, channels_last=True),
+        _case("batch-1", NARROW, batch=1),
+        _case("batch-64", NARROW, batch=64, size=(32, 32)),
+        _case("non-square", NARROW, size=(48, 112)),
+        _case("dynamic-pad", NARROW, size=(50, 70), dynamic_pad=True),
+        _case("dynamic-pad-float", NARROW, size=(37, 19), dynamic_pad=True, uint8=False, channels_last=True),
+        _case("two-stages", rep(NARROW, embed_dim=20, stage_widths=(12, 20), strides=(2, 2)), size=(24, 40)),
+        _case("three-stages", rep(NARROW, embed_dim=36, stage_widths=(12, 20, 36), strides=(2, 2, 2))),
+    ]
+
+
+# Rounding floors, relative to the largest reference value: a few units of
+# the dtype's last place, for outputs that round to zero error in PyTorch.
+ROUNDING_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """Max abs errors against float64 of an implementation and of PyTorch's
+    own layer-by-layer reference in the same dtype, on the same inputs."""
+
+    error: float
+    torch_error: float
+    floor: float
+
+    @property
+    def limit(self) -> float:
+        return 2 * self.torch_error + self.floor
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.limit
+
+
+def compare_to_float64(
+    model: VisualTokenizer, images: torch.Tensor, output: torch.Tensor, dtype: torch.dtype
+) -> ErrorReport:
+    """Errors of `output` (model(images) in dtype on some device) against a
+    float64 CPU reference built from the same dtype-rounded weights and inputs."""
+    device = output.device
+    model64 = copy.deepcopy(model).to("cpu", torch.float64)
+    images64 = images.cpu() if images.dtype == torch.uint8 else images.cpu().to(torch.float64)
+    model_dtype = copy.deepcopy(model).to(device, dtype)
+    images_dtype = images if images.dtype == torch.uint8 else images.to(device, dtype)
+    with torch.no_grad():
+        reference = model64.forward_layers(images64, "reference")
+        torch_output = model_dtype.forward_layers(images_dtype, "reference")
+    scale = reference.abs().max().item()
+    return ErrorReport(
+        error=(output.cpu().double() - reference).abs().max().item(),
+        torch_error=(torch_output.cpu().double() - reference).abs().max().item(),
+        floor=ROUNDING_FLOOR[dtype] * max(scale, 1.0),
+    )

@@ -1,0 +1,306 @@
+"""torch.ops.lumenbridge.tokenize, the whole tokenizer as one op: against the
+float64 reference over the shared sample cases, on the CPU (composed kernels)
+and CUDA (fused kernels), plus opcheck, compile, export, CUDA graphs,
+poisoned outputs, determinism, weight changes and the gateway's checks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from lumenbridge import TokenizerConfig, VisualTokenizer, native
+from lumenbridge.testing import BASE, NARROW, compare_to_float64, tokenize_cases
+
+from conftest import HAS_CUDA
+
+CASES = tokenize_cases()
+cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+
+def run_op(model: VisualTokenizer, images: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return native.tokenize(images, model)
+
+
+@pytest.fixture
+def poisoned(native_ops):
+    native_ops._set_poison_outputs(True)
+    yield native_ops
+    native_ops._set_poison_outputs(False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_cpu_op_matches_float64_reference(case, poisoned):
+    model = case.model().to(torch.float32)
+    images = case.images()
+    out = run_op(model, images)
+    report = compare_to_float64(model, images, out, torch.float32)
+    assert torch.isfinite(out).all()
+    scale = max(report.floor / 1e-5, 1.0)
+    assert report.error <= 1e-5 * scale, report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_cuda_op_within_twice_pytorch_error(case, dtype, device, cuda_kernels, poisoned):
+    model = case.model().to(device, dtype)
+    images = case.images().to(device)
+    images = images if images.dtype == torch.uint8 else images.to(dtype)
+    out = run_op(model, images)
+    assert torch.isfinite(out).all(), "an output element was not written (poison survived)"
+    report = compare_to_float64(model, images, out, dtype)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "full-fp32"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_cuda_float32_honours_the_tf32_switch(tf32, device, cuda_kernels, poisoned, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    case = CASES[1]
+    model = case.model().to(device)
+    images = case.images().to(device)
+    out = run_op(model, images)
+    report = compare_to_float64(model, images, out, torch.float32)
+    if tf32:
+        assert report.ok, report
+    else:
+        assert report.error <= 1e-5 * max(report.floor / 1e-5, 1.0), report
+
+
+def test_fused_path_covers_every_preset_on_cuda(native_ops):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    for name in ("lumenbridge-small", "lumenbridge-base", "lumenbridge-large"):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert native.tokenize_path("cuda", TokenizerConfig.preset(name), dtype) == "fused", (name, dtype)
+
+
+def test_model_uses_the_op_for_inference_and_layers_for_training(native_ops, monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "tokenize", lambda images, model: calls.append(1) or model.forward_layers(images, "native"))
+    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    with torch.no_grad():
+        model(images)
+    with torch.inference_mode():
+        model(images)
+    assert len(calls) == 2
+    model(images).sum().backward()  # parameters need gradients: layer by layer
+    assert len(calls) == 2
+    assert model.stages[0].dw.weight.grad is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_opcheck(device, native_ops):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for case in (CASES[0], CASES[7], CASES[13]):
+        model = case.model().to(device, dtype)
+        images = case.images().to(device)
+        args = _detached(_op_arguments(model, images))
+        torch.library.opcheck(torch.ops.lumenbridge.tokenize.default, args)
+
+
+def _detached(args):
+    def detach(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach()
+        return [detach(x) for x in a] if isinstance(a, list) else a
+
+    return tuple(detach(a) for a in args)
+
+
+def _op_arguments(model, images):
+    """The positional arguments native.tokenize passes, captured from a call."""
+    captured = {}
+    real = torch.ops.lumenbridge.tokenize
+
+    class Recorder:
+        def __call__(self, *args):
+            captured["args"] = args
+            return real(*args)
+
+    original = native.ops
+    try:
+        native.ops = type("Ops", (), {"tokenize": Recorder()})()
+        run_op(model, images)
+    finally:
+        native.ops = original
+    return captured["args"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_compile_fullgraph_and_export(device, native_ops):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device, dtype).eval()
+    images = torch.randint(0, 256, (2, 3, 32, 48), dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        expected = model(images)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(images), expected, rtol=0, atol=0)
+        exported = torch.export.export(model, (images,))
+        assert any("lumenbridge.tokenize" in str(node.target) for node in exported.graph.nodes)
+        torch.testing.assert_close(exported.module()(images), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_cuda_graph_capture_and_reduce_overhead(device, cuda_kernels):
+    model = VisualTokenizer(BASE, seed=0).to(device, torch.bfloat16).eval()
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, device=device)
+    with torch.inference_mode():
+        expected = model(images)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(images)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = model(images)
+        fresh = torch.randint(0, 256, images.shape, dtype=torch.uint8, device=device)
+        images.copy_(fresh)
+        graph.replay()
+        torch.testing.assert_close(captured, model(fresh), rtol=0, atol=0)
+        assert not torch.equal(captured, expected)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        for _ in range(3):
+            out = compiled(fresh)
+        torch.testing.assert_close(out, model(fresh), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_bitwise_deterministic(device, native_ops):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = CASES[1].model().to(device, dtype)
+    images = CASES[1].images().to(device)
+    first = run_op(model, images)
+    for _ in range(3):
+        assert torch.equal(run_op(model, images), first)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_changed_parameters_change_the_tokens(device, native_ops, tmp_path):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = VisualTokenizer(NARROW, seed=0).to(device, dtype).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
+    before = run_op(model, images)
+    with torch.no_grad():
+        model.stages[2].pw.weight.mul_(1.5)  # in place
+    after_inplace = run_op(model, images)
+    assert not torch.equal(after_inplace, before)
+    model.save_pretrained(tmp_path)
+    other = VisualTokenizer(NARROW, seed=1).to(device, dtype).eval()
+    assert not torch.equal(run_op(other, images), after_inplace)
+    other.load_state_dict(VisualTokenizer.from_pretrained(tmp_path).state_dict())
+    torch.testing.assert_close(run_op(other, images), after_inplace, rtol=0, atol=0)
+    moved = copy.deepcopy(model).to(torch.float64 if device == "cpu" else torch.float16)
+    assert run_op(moved, images).dtype == moved.stages[0].dw.weight.dtype
+
+
+def test_the_op_refuses_a_gradient(native_ops):
+    model = VisualTokenizer(NARROW, seed=0)
+    images = torch.randn(1, 3, 32, 32)
+    out = native.tokenize(images, model)
+    with pytest.raises(RuntimeError, match="lumenbridge::tokenize has no backward"):
+        out.sum().backward()
+
+
+# ---- the gateway's checks -------------------------------------------------------
+
+
+def _arguments(**changes):
+    model = VisualTokenizer(NARROW, seed=0).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    args = dict(
+        images=images,
+        dw_weights=[s.dw.weight.detach() for s in model.stages],
+        dw_biases=[s.dw.bias.detach() for s in model.stages],
+        pw_weights=[s.pw.weight.detach() for s in model.stages],
+        pw_biases=[s.pw.bias.detach() for s in model.stages],
+        strides=list(NARROW.strides),
+        activation="gelu",
+        stage_norm="none",
+        norm_weights=[],
+        norm_biases=[],
+        token_norm_weight=model.token_norm.weight.detach(),
+        token_norm_bias=model.token_norm.bias.detach(),
+        eps=1e-5,
+        mean=[120.0, 115.0, 100.0],
+        std=[58.0, 57.0, 57.0],
+        padded_size=[32, 32],
+        output_fmt="NLC",
+    )
+    args.update(changes)
+    return args
+
+
+def _widen(tensors, index, tensor):
+    tensors = list(tensors)
+    tensors[index] = tensor
+    return tensors
+
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {"dw_weights": []}, "at least one stage"),
+        (lambda a: {"strides": [2, 2, 2]}, "one entry per stage"),
+        (lambda a: {"images": a["images"][0]}, "images must be 4-D"),
+        (lambda a: {"images": a["images"].to(torch.int32)}, "images must be uint8"),
+        (lambda a: {"images": a["images"].transpose(2, 3)}, "contiguous NCHW or channels-last"),
+        (lambda a: {"images": torch.zeros(1, 4, 32, 32, dtype=torch.uint8)}, r"stage 0 dw_weight must have shape \[4"),
+        (lambda a: {"strides": [2, 3, 2, 2]}, "stride must be 1 or 2"),
+        (lambda a: {"dw_weights": _widen(a["dw_weights"], 1, torch.zeros(12, 1, 5, 5))}, "stage 1 dw_weight"),
+        (lambda a: {"dw_weights": [torch.zeros(3, 1, 4, 4)] + a["dw_weights"][1:]}, "kernel_size must be 3, 5 or 7"),
+        (lambda a: {"pw_weights": _widen(a["pw_weights"], 2, torch.zeros(36, 21, 1, 1))}, "stage 2 pw_weight"),
+        (lambda a: {"pw_biases": _widen(a["pw_biases"], 3, torch.zeros(39))}, r"stage 3 pw_bias must have shape \[40\]"),
+        (lambda a: {"dw_biases": _widen(a["dw_biases"], 0, torch.zeros(3, dtype=torch.float64))}, "dtype"),
+        (lambda a: {"pw_weights": _widen(a["pw_weights"], 0, torch.zeros(12, 6, 1, 1)[:, ::2])}, "contiguous"),
+        (lambda a: {"activation": "tanh"}, "activation must be one of gelu, relu, silu, none"),
+        (lambda a: {"stage_norm": "groupnorm"}, "stage_norm must be one of"),
+        (lambda a: {"stage_norm": "layernorm"}, "needs 4 norm weights"),
+        (lambda a: {"token_norm_bias": None}, "given together"),
+        (lambda a: {"token_norm_weight": torch.ones(41)}, r"token_norm_weight must have shape \[40\]"),
+        (lambda a: {"eps": 0.0}, "eps must be positive"),
+        (lambda a: {"mean": [1.0, 2.0]}, "one entry per image channel"),
+        (lambda a: {"std": [1.0, 0.0, 1.0]}, "std entries must be positive"),
+        (lambda a: {"padded_size": [31, 32]}, "padded_size must be"),
+        (lambda a: {"output_fmt": "NCL"}, "output_fmt must be one of NLC, NCHW, NHWC"),
+        (lambda a: {"images": torch.randn(1, 3, 32, 32, dtype=torch.float64)}, "parameters' dtype"),
+    ],
+)
+def test_gateway_rejects_bad_arguments(change, message, native_ops):
+    args = _arguments()
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):
+        native_ops.tokenize(**args)
+
+
+def test_gateway_rejects_mixed_devices(native_ops):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    args = _arguments()
+    args["pw_weights"] = _widen(args["pw_weights"], 1, args["pw_weights"][1].cuda())
+    with pytest.raises(RuntimeError, match="LumenBridge: stage 1 pw_weight is on cuda"):
+        native_ops.tokenize(**args)
+
+
+def test_sample_cases_cover_what_the_issue_lists():
+    configs = [c.config for c in CASES]
+    assert {c.kernel_size for c in configs} == {3, 5, 7}
+    assert {c.activation for c in configs} == {"gelu", "relu", "silu", "none"}
+    assert {c.output_fmt for c in configs} == {"NLC", "NCHW", "NHWC"}
+    assert {c.stage_norm for c in configs} == {"none", "layernorm", "batchnorm"}
+    assert {c.token_norm for c in configs} == {True, False}
+    assert {c.uint8 for c in CASES} == {True, False} and {c.channels_last for c in CASES} == {True, False}
+    assert {1, 3, 64} <= {c.batch for c in CASES}
+    assert any(c.dynamic_pad for c in CASES)
+    assert any(w % 16 for c in configs for w in c.stage_widths)
+    assert dataclasses.replace(NARROW, strides=(2, 1, 2, 2)) in configs

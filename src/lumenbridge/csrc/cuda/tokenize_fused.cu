@@ -153,6 +153,7 @@ struct FirstArgs {
   bool uint8_input, nhwc;
   int C0, H0, W0;     // images as given; pixels outside are 0 after normalization
   int stride1, stride2;
+  Activation act1;  // after stage 1 (stage 2's GEMM has its own, none when stage 2 is last)
   float mean[kMaxImageChannels], std[kMaxImageChannels];
   const T* dw1_weight;
   const T* dw1_bias;
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
         for (int j = 0; j < kMaxImageChannels; ++j) {
           if (j < args.C0) v = fmaf(w1[j], d1[j * win1 + q], v);
         }
-        v = activate(v, s.act);
+        v = activate(v, args.act1);
       }
       s1[q * kChannelGroup + lane] = static_cast<T>(v);
     }
@@ -363,6 +364,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W0 = static_cast<int>(p.W);
   a.stride1 = static_cast<int>(s1.stride);
   a.stride2 = static_cast<int>(s2.stride);
+  a.act1 = p.activation;
   for (int c = 0; c < kMaxImageChannels; ++c) {
     a.mean[c] = c < p.C ? static_cast<float>(p.mean[c]) : 0.0f;
     a.std[c] = c < p.C ? static_cast<float>(p.std[c]) : 1.0f;

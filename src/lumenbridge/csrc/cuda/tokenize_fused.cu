@@ -86,55 +86,81 @@ struct StageArgs {
   SharedLayout layout;
 };
 
+// Where each row of a stage-kernel block reads its input: the element offset
+// of its window's top-left pixel, and that pixel's coordinates (which may lie
+// in the padding), computed once per block instead of once per channel group.
+struct RowSource {
+  int64_t offset[kTileRows];
+  int y[kTileRows], x[kTileRows];
+};
+
+// Taps of one kernel row for 8 channels, all loads issued before any is used
+// (out-of-image taps are zero), so a thread keeps K loads in flight.
+template <typename T, int K>
+__device__ __forceinline__ void depthwise_row(const T* row, int x0, int W, int Cin, bool vector, int c,
+                                             const T* taps, int Kp, float (&acc)[8]) {
+  uint4 pixel[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const bool inside = x0 + j >= 0 && x0 + j < W;
+    const T* src = row + static_cast<int64_t>(x0 + j) * Cin + c;
+    if (vector) {
+      pixel[j] = inside ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+    } else {
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = inside && c + e < Cin ? static_cast<float>(src[e]) : 0.0f;
+      pixel[j] = pack8<T>(v);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float v[8], w[8];
+    unpack8<T>(pixel[j], v);
+    unpack8<T>(*reinterpret_cast<const uint4*>(taps + j * Kp + c), w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
+  }
+}
+
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
+  __shared__ RowSource sources;
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   T* taps = reinterpret_cast<T*>(shared + args.layout.region_offset);
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileRows;
   for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-    rows.pixel[r] = first + r < args.pixels ? first + r : -1;
+    const int64_t pixel = first + r < args.pixels ? first + r : -1;
+    rows.pixel[r] = pixel;
+    const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
+    const int64_t image = pixel < 0 ? 0 : pixel / plane;
+    const int offset = pixel < 0 ? 0 : static_cast<int>(pixel % plane);
+    sources.y[r] = (offset / args.Wo) * args.stride - K / 2;
+    sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
+    sources.offset[r] = image * args.H * args.W * Cin;
   }
   load_depthwise_taps<T, K>(taps, s.dw_weight, Cin, Kp);
   __syncthreads();
 
   const int groups = Kp / 8;
-  const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
   for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
     const int r = item / groups, c = (item % groups) * 8;
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = c + e < Cin ? static_cast<float>(s.dw_bias[c + e]) : 0.0f;
-    const int64_t pixel = rows.pixel[r];
-    if (pixel >= 0 && c < Cin) {
-      const int64_t image = pixel / plane;
-      const int offset = static_cast<int>(pixel % plane);
-      const int y0 = (offset / args.Wo) * args.stride - K / 2;
-      const int x0 = (offset % args.Wo) * args.stride - K / 2;
-      const T* base = args.input + image * args.H * args.W * Cin;
+    if (rows.pixel[r] >= 0 && c < Cin) {
+      const T* base = args.input + sources.offset[r];
 #pragma unroll
       for (int i = 0; i < K; ++i) {
-        const int y = y0 + i;
-        if (y < 0 || y >= args.H) continue;
-#pragma unroll
-        for (int j = 0; j < K; ++j) {
-          const int x = x0 + j;
-          if (x < 0 || x >= args.W) continue;
-          const T* src = base + (static_cast<int64_t>(y) * args.W + x) * Cin + c;
-          float v[8], w[8];
-          if (args.vector_input) {
-            unpack8<T>(__ldg(reinterpret_cast<const uint4*>(src)), v);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = c + e < Cin ? static_cast<float>(src[e]) : 0.0f;
-          }
-          unpack8<T>(*reinterpret_cast<const uint4*>(taps + (i * K + j) * Kp + c), w);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
+        const int y = sources.y[r] + i;
+        if (y >= 0 && y < args.H) {
+          depthwise_row<T, K>(base + static_cast<int64_t>(y) * args.W * Cin, sources.x[r], args.W, Cin,
+                              args.vector_input, c, taps + i * K * Kp, Kp, acc);
         }
       }
     }
@@ -167,15 +193,55 @@ struct FirstArgs {
   SharedLayout layout;
 };
 
+// The image window of a tile, normalized, into shared memory as float
+// [C0][win0_h][win0_w]; zero outside the image. Each warp takes rows, lanes
+// take columns, so index math is per row and loads of a row are in flight together.
 template <typename T>
-__device__ float image_value(const FirstArgs<T>& a, int64_t n, int c, int y, int x) {
-  if (y < 0 || y >= a.H0 || x < 0 || x >= a.W0) return 0.0f;
-  const int64_t index = a.nhwc ? ((n * a.H0 + y) * a.W0 + x) * a.C0 + c
-                               : ((n * a.C0 + c) * a.H0 + y) * static_cast<int64_t>(a.W0) + x;
-  if (a.uint8_input) {
-    return (static_cast<float>(static_cast<const uint8_t*>(a.images)[index]) - a.mean[c]) / a.std[c];
+__device__ void load_image_window(const FirstArgs<T>& a, int64_t n, int y_origin, int x_origin, float* image) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int row = warp; row < a.C0 * a.win0_h; row += kWarps) {
+    const int c = row / a.win0_h, y = y_origin + row % a.win0_h;
+    const bool row_inside = y >= 0 && y < a.H0;
+    const int64_t row_start = a.nhwc ? ((n * a.H0 + y) * a.W0) * a.C0 + c : ((n * a.C0 + c) * a.H0 + y) * a.W0;
+    const int64_t step = a.nhwc ? a.C0 : 1;
+    for (int col = lane; col < a.win0_w; col += 32) {
+      const int x = x_origin + col;
+      float v = 0.0f;
+      if (row_inside && x >= 0 && x < a.W0) {
+        const int64_t index = row_start + x * step;
+        v = a.uint8_input ? (static_cast<float>(static_cast<const uint8_t*>(a.images)[index]) - a.mean[c]) / a.std[c]
+                          : static_cast<float>(static_cast<const T*>(a.images)[index]);
+      }
+      image[row * a.win0_w + col] = v;
+    }
   }
-  return static_cast<float>(static_cast<const T*>(a.images)[index]);
+}
+
+// Stage-1 outputs for the 32 channels of a chunk (lane = channel) over the
+// stage-1 window: pointwise from the depthwise results, the activation, and
+// zero outside the stage-1 extent (stage 2's padding). Warps take rows.
+template <Activation Act, typename T>
+__device__ void fill_stage1(const FirstArgs<T>& a, T* s1, const float* d1, const float (&w1)[kMaxImageChannels],
+                            float b1, bool real, int y_origin, int x_origin) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int win1 = a.win1_h * a.win1_w;
+  for (int row = warp; row < a.win1_h; row += kWarps) {
+    const int y = y_origin + row;
+    const bool row_inside = real && y >= 0 && y < a.H1;
+    for (int col = 0; col < a.win1_w; ++col) {
+      const int q = row * a.win1_w + col, x = x_origin + col;
+      float v = 0.0f;
+      if (row_inside && x >= 0 && x < a.W1) {
+        v = b1;
+#pragma unroll
+        for (int j = 0; j < kMaxImageChannels; ++j) {
+          if (j < a.C0) v = fmaf(w1[j], d1[j * win1 + q], v);
+        }
+        v = activate(v, Act);
+      }
+      s1[q * kChannelGroup + lane] = static_cast<T>(v);
+    }
+  }
 }
 
 template <typename T, int K>
@@ -206,10 +272,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     const int y = ty + r / kTile, x = tx + r % kTile;
     rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
   }
-  for (int i = threadIdx.x; i < args.C0 * win0; i += kThreads) {
-    const int c = i / win0, y = (i % win0) / args.win0_w, x = i % args.win0_w;
-    image[i] = image_value(args, n, c, y0_origin + y, x0_origin + x);
-  }
+  load_image_window(args, n, y0_origin, x0_origin, image);
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.pw.in_channels, Kp);
   __syncthreads();
 
@@ -229,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   }
   __syncthreads();
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   const int r = threadIdx.x / 4, cg = (threadIdx.x % 4) * 8;  // this thread's A row and channels
   const int py = r / kTile, px = r % kTile;
   for (int c0 = 0; c0 < Kp; c0 += kChannelGroup) {
@@ -243,18 +306,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       w1[j] = real && j < args.C0 ? static_cast<float>(args.pw1_weight[c * args.C0 + j]) : 0.0f;
     }
     if (real) b1 = static_cast<float>(args.pw1_bias[c]);
-    for (int q = warp; q < win1; q += kWarps) {
-      const int y = y1_origin + q / args.win1_w, x = x1_origin + q % args.win1_w;
-      float v = 0.0f;
-      if (real && y >= 0 && y < args.H1 && x >= 0 && x < args.W1) {
-        v = b1;
-#pragma unroll
-        for (int j = 0; j < kMaxImageChannels; ++j) {
-          if (j < args.C0) v = fmaf(w1[j], d1[j * win1 + q], v);
-        }
-        v = activate(v, args.act1);
-      }
-      s1[q * kChannelGroup + lane] = static_cast<T>(v);
+    switch (args.act1) {
+      case Activation::GELU: fill_stage1<Activation::GELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
+      case Activation::RELU: fill_stage1<Activation::RELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
+      case Activation::SILU: fill_stage1<Activation::SILU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
+      case Activation::NONE: fill_stage1<Activation::NONE>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
     }
     __syncthreads();
 
@@ -306,7 +362,7 @@ size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels
 }
 
 size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(k_padded, elem * K * K * k_padded, out_channels, elem).total;
+  return shared_layout(k_padded, elem * K * K * k_padded, out_channels, elem).total + sizeof(RowSource);
 }
 
 template <typename Kernel, typename Args>

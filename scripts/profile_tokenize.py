@@ -11,6 +11,7 @@ from lumenbridge import VisualTokenizer, native
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=256)
+parser.add_argument("--no-profiler", action="store_true", help="only run the calls (for ncu)")
 args = parser.parse_args()
 assert native.ready()
 model = VisualTokenizer(seed=0).to("cuda", torch.bfloat16).eval()
@@ -23,9 +24,13 @@ for kind in ("uint8", "float"):
         for _ in range(3):
             model(x)
         torch.cuda.synchronize()
+        if args.no_profiler:
+            continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 model(x)
             torch.cuda.synchronize()
+    if args.no_profiler:
+        continue
     print(f"== {kind} input, B={args.batch}, 10 calls")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=90))

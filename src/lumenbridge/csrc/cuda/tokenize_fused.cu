@@ -43,25 +43,25 @@ struct SharedLayout {
   size_t a_offset, region_offset, total;
 };
 
-SharedLayout shared_layout(int k_padded, size_t scratch_bytes, int out_channels, size_t elem) {
+SharedLayout shared_layout(int rows, int k_padded, size_t scratch_bytes, int out_channels, size_t elem) {
   SharedLayout l;
   l.a_offset = align16(sizeof(RowInfo));
-  l.region_offset = l.a_offset + align16(kTileRows * padded_stride(k_padded) * elem);
-  const size_t out_bytes = kTileRows * padded_stride(round_up(out_channels, 8)) * elem;
+  l.region_offset = l.a_offset + align16(rows * padded_stride(k_padded) * elem);
+  const size_t out_bytes = rows * padded_stride(round_up(out_channels, 8)) * elem;
   l.total = l.region_offset + align16(std::max(scratch_bytes, out_bytes));
   return l;
 }
 
 // The GEMM and the epilogue, once a block's A tile is complete.
-template <typename T>
+template <typename T, int Rows>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
                              RowInfo& rows) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
-  gemm_tile<T>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+  gemm_tile<T, Rows>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
   __syncthreads();
-  write_tile<T>(out_tile, out_stride, s.output, rows);
+  write_tile<T, Rows>(out_tile, out_stride, s.output, rows);
 }
 
 // Depthwise weights [C, 1, K, K] into shared memory as [K * K][Cp], so a
@@ -123,7 +123,7 @@ __device__ __forceinline__ void depthwise_row(const T* row, int x0, int W, int C
   }
 }
 
-template <typename T, int K>
+template <typename T, int K, int Rows>
 __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   T* taps = reinterpret_cast<T*>(shared + args.layout.region_offset);
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * Rows;
   for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-    const int64_t pixel = first + r < args.pixels ? first + r : -1;
+    const int64_t pixel = r < Rows && first + r < args.pixels ? first + r : -1;
     rows.pixel[r] = pixel;
     const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
     const int64_t image = pixel < 0 ? 0 : pixel / plane;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   __syncthreads();
 
   const int groups = Kp / 8;
-  for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
+  for (int item = threadIdx.x; item < Rows * groups; item += kThreads) {
     const int r = item / groups, c = (item % groups) * 8;
     float acc[8];
 #pragma unroll
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
     store_a8<T>(a_tile + r * a_stride, c, acc);
   }
   __syncthreads();
-  finish_block<T>(shared, args.layout, s, rows);
+  finish_block<T, Rows>(shared, args.layout, s, rows);
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -221,25 +221,25 @@ __device__ void load_image_window(const FirstArgs<T>& a, int64_t n, int y_origin
 // stage-1 window: pointwise from the depthwise results, the activation, and
 // zero outside the stage-1 extent (stage 2's padding). Warps take rows.
 template <Activation Act, typename T>
-__device__ void fill_stage1(const FirstArgs<T>& a, T* s1, const float* d1, const float (&w1)[kMaxImageChannels],
-                            float b1, bool real, int y_origin, int x_origin) {
+__device__ void fill_stage1(const FirstArgs<T>& a, T* s1, const float4* d1, const float4& w1, float b1, bool real,
+                            int y_origin, int x_origin) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int win1 = a.win1_h * a.win1_w;
-  for (int row = warp; row < a.win1_h; row += kWarps) {
-    const int y = y_origin + row;
-    const bool row_inside = real && y >= 0 && y < a.H1;
-    for (int col = 0; col < a.win1_w; ++col) {
-      const int q = row * a.win1_w + col, x = x_origin + col;
-      float v = 0.0f;
-      if (row_inside && x >= 0 && x < a.W1) {
-        v = b1;
-#pragma unroll
-        for (int j = 0; j < kMaxImageChannels; ++j) {
-          if (j < a.C0) v = fmaf(w1[j], d1[j * win1 + q], v);
-        }
-        v = activate(v, Act);
-      }
-      s1[q * kChannelGroup + lane] = static_cast<T>(v);
+  // Positions warp, warp + 8, ...: balanced over the warps; the row and
+  // column advance by kWarps columns at a time (win1_w >= kWarps).
+  int row = warp / a.win1_w, col = warp % a.win1_w;
+  for (int q = warp; q < win1; q += kWarps) {
+    const int y = y_origin + row, x = x_origin + col;
+    float v = 0.0f;
+    if (real && y >= 0 && y < a.H1 && x >= 0 && x < a.W1) {
+      const float4 d = d1[q];
+      v = activate(fmaf(w1.w, d.w, fmaf(w1.z, d.z, fmaf(w1.y, d.y, fmaf(w1.x, d.x, b1)))), Act);
+    }
+    s1[q * kChannelGroup + lane] = static_cast<T>(v);
+    col += kWarps;
+    if (col >= a.win1_w) {
+      col -= a.win1_w;
+      ++row;
     }
   }
 }
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   unsigned char* region = shared + args.layout.region_offset;
   float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][win0_h][win0_w]
-  float* d1 = reinterpret_cast<float*>(region + args.d1_offset);        // [C0][win1_h * win1_w]
+  float4* d1 = reinterpret_cast<float4*>(region + args.d1_offset);      // [win1_h * win1_w], channels padded to 4
   T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][32]
   T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp]
   const int a_stride = padded_stride(s.k_padded);
@@ -276,19 +276,27 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.pw.in_channels, Kp);
   __syncthreads();
 
-  // Stage-1 depthwise outputs over the stage-1 window, kept in float.
-  for (int i = threadIdx.x; i < args.C0 * win1; i += kThreads) {
-    const int c = i / win1, y = (i % win1) / args.win1_w, x = i % args.win1_w;
-    const float* src = image + c * win0 + (y * args.stride1) * args.win0_w + x * args.stride1;
-    float acc = static_cast<float>(args.dw1_bias[c]);
+  // Stage-1 depthwise outputs over the stage-1 window, kept in float; channels
+  // past C0 are zero, so the pointwise step is four FMAs with no tests.
+  for (int q = threadIdx.x; q < win1; q += kThreads) {
+    const int y = q / args.win1_w, x = q % args.win1_w;
+    float out[kMaxImageChannels];
 #pragma unroll
-    for (int ky = 0; ky < K; ++ky) {
+    for (int c = 0; c < kMaxImageChannels; ++c) {
+      out[c] = 0.0f;
+      if (c >= args.C0) continue;
+      const float* src = image + c * win0 + (y * args.stride1) * args.win0_w + x * args.stride1;
+      float acc = static_cast<float>(args.dw1_bias[c]);
 #pragma unroll
-      for (int kx = 0; kx < K; ++kx) {
-        acc = fmaf(static_cast<float>(args.dw1_weight[(c * K + ky) * K + kx]), src[ky * args.win0_w + kx], acc);
+      for (int ky = 0; ky < K; ++ky) {
+#pragma unroll
+        for (int kx = 0; kx < K; ++kx) {
+          acc = fmaf(static_cast<float>(args.dw1_weight[(c * K + ky) * K + kx]), src[ky * args.win0_w + kx], acc);
+        }
       }
+      out[c] = acc;
     }
-    d1[i] = acc;
+    d1[q] = make_float4(out[0], out[1], out[2], out[3]);
   }
   __syncthreads();
 
@@ -299,13 +307,14 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     // Stage-1 outputs for 32 channels over the window: pointwise, activation,
     // and zero outside the stage-1 extent (stage 2's padding).
     const int c = c0 + lane;
-    float w1[kMaxImageChannels], b1 = 0.0f;
     const bool real = c < args.C1;
+    float w[kMaxImageChannels];
 #pragma unroll
     for (int j = 0; j < kMaxImageChannels; ++j) {
-      w1[j] = real && j < args.C0 ? static_cast<float>(args.pw1_weight[c * args.C0 + j]) : 0.0f;
+      w[j] = real && j < args.C0 ? static_cast<float>(args.pw1_weight[c * args.C0 + j]) : 0.0f;
     }
-    if (real) b1 = static_cast<float>(args.pw1_bias[c]);
+    const float4 w1 = make_float4(w[0], w[1], w[2], w[3]);
+    const float b1 = real ? static_cast<float>(args.pw1_bias[c]) : 0.0f;
     switch (args.act1) {
       case Activation::GELU: fill_stage1<Activation::GELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
       case Activation::RELU: fill_stage1<Activation::RELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
@@ -335,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     store_a8<T>(a_tile + r * a_stride, c0 + cg, acc);
     __syncthreads();
   }
-  finish_block<T>(shared, args.layout, s, rows);
+  finish_block<T, kTileRows>(shared, args.layout, s, rows);
 }
 
 // ---- host side -------------------------------------------------------------------
@@ -351,18 +360,30 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   g.win0_h = g.win0_w = (g.win1_h - 1) * stride1 + K;
   g.image_offset = 0;
   g.d1_offset = align16(sizeof(float) * C0 * g.win0_h * g.win0_w);
-  g.s1_offset = g.d1_offset + align16(sizeof(float) * C0 * g.win1_h * g.win1_w);
+  g.s1_offset = g.d1_offset + align16(sizeof(float4) * g.win1_h * g.win1_w);
   g.taps_offset = g.s1_offset + align16(elem * g.win1_h * g.win1_w * kChannelGroup);
   g.scratch = g.taps_offset + align16(elem * K * K * k_padded);
   return g;
 }
 
 size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(k_padded, g.scratch, out_channels, elem).total;
+  return shared_layout(kTileRows, k_padded, g.scratch, out_channels, elem).total;
+}
+
+SharedLayout stage_layout(int rows, int K, int k_padded, int out_channels, size_t elem) {
+  return shared_layout(rows, k_padded, elem * K * K * k_padded, out_channels, elem);
+}
+
+// Rows per stage-kernel block: 64, unless that leaves room for only one
+// block per SM (the last stage's full-width LayerNorm tile); then 32.
+int stage_rows(int K, int k_padded, int out_channels, size_t elem) {
+  const size_t two_blocks = kMaxSharedBytes / 2 - sizeof(RowSource) - 1024;
+  return stage_layout(kTileRows, K, k_padded, out_channels, elem).total <= two_blocks ? kTileRows : kTileRows / 2;
 }
 
 size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(k_padded, elem * K * K * k_padded, out_channels, elem).total + sizeof(RowSource);
+  const int rows = stage_rows(K, k_padded, out_channels, elem);
+  return stage_layout(rows, K, k_padded, out_channels, elem).total + sizeof(RowSource);
 }
 
 template <typename Kernel, typename Args>
@@ -445,7 +466,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.d1_offset = g.d1_offset;
   a.s1_offset = g.s1_offset;
   a.taps_offset = g.taps_offset;
-  a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
+  a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
   launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, a.layout.total, a);
 }
 
@@ -463,8 +484,13 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.stride = static_cast<int>(stage.stride);
   a.pixels = p.N * stage.out_h * stage.out_w;
   a.vector_input = stage.in_channels % 8 == 0 && aligned16(a.input);
-  a.layout = shared_layout(a.gemm.k_padded, sizeof(T) * K * K * a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  launch(fused_stage_kernel<T, K>, ceil_div64(a.pixels, kTileRows), a.layout.total, a);
+  const int rows = stage_rows(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  a.layout = stage_layout(rows, K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  if (rows == kTileRows) {
+    launch(fused_stage_kernel<T, K, kTileRows>, ceil_div64(a.pixels, rows), a.layout.total, a);
+  } else {
+    launch(fused_stage_kernel<T, K, kTileRows / 2>, ceil_div64(a.pixels, rows), a.layout.total, a);
+  }
 }
 
 template <typename T, int K>

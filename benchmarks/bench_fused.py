@@ -14,7 +14,7 @@ of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
 Each row also records peak forward memory above the inputs
 (torch.cuda.max_memory_allocated). Usage:
   python benchmarks/bench_fused.py --out DIR [--quick] [--providers NAME ...]
---quick times only bf16 at B=1 and B=256 (for a tight device budget);
+--quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
 --providers keeps only the named providers (the floors always stay).
 Writes DIR/fused.json, DIR/fused.md and DIR/fused.png.
 """
@@ -134,49 +134,69 @@ def run(quick: bool, keep: list[str] | None) -> dict:
     copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
     config = TokenizerConfig.preset("lumenbridge-base")
     rows = []
-    dtypes = {"bf16": DTYPES["bf16"]} if quick else DTYPES
-    sizes = [(1, 224), (256, 224)] if quick else SIZES
-    for dtype_name, dtype in dtypes.items():
-        for batch, side in sizes:
-            model = VisualTokenizer(config, seed=0).to("cuda", dtype).eval()
-            uint8 = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8, device="cuda")
-            floats = torch.randn(batch, 3, side, side, device="cuda", dtype=dtype)
-            inputs = {
-                "uint8": uint8.contiguous(memory_format=torch.channels_last),
-                "float": floats.contiguous(memory_format=torch.channels_last),
-            }
-            path = native.tokenize_path("cuda", config, dtype)
-            for name, fn in providers(model, batch).items():
-                if keep and name not in keep:
+    cases = [(d, b, s) for d in DTYPES for b, s in SIZES]
+    if quick:
+        cases = [("bf16", 1, 224), ("bf16", 256, 224), ("fp32", 256, 224)]
+    for dtype_name, batch, side in cases:
+        dtype = DTYPES[dtype_name]
+        model = VisualTokenizer(config, seed=0).to("cuda", dtype).eval()
+        uint8 = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8, device="cuda")
+        floats = torch.randn(batch, 3, side, side, device="cuda", dtype=dtype)
+        inputs = {
+            "uint8": uint8.contiguous(memory_format=torch.channels_last),
+            "float": floats.contiguous(memory_format=torch.channels_last),
+        }
+        path = native.tokenize_path("cuda", config, dtype)
+        for name, fn in providers(model, batch).items():
+            if keep and name not in keep:
+                continue
+            for kind, x in inputs.items():
+                if name == "vit-patch" and kind == "uint8":
                     continue
-                for kind, x in inputs.items():
-                    if name == "vit-patch" and kind == "uint8":
-                        continue
-                    with torch.inference_mode():
-                        ms = median_ms(lambda fn=fn, x=x: fn(x), warmup=10, repeats=50)
-                        memory = peak_mb(lambda fn=fn, x=x: fn(x), x)
-                    rows.append(
-                        {"dtype": dtype_name, "batch": batch, "side": side, "provider": name, "input": kind,
-                         "ms": ms, "peak_mb": memory, "path": path if name == "lumenbridge" else ""}
-                    )
-                    print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
-            floors = floors_ms(config, batch, side, copy_gbs, tflops)
-            rows += [
-                {"dtype": dtype_name, "batch": batch, "side": side, "provider": f"floor: {k}", "input": "",
-                 "ms": v, "peak_mb": 0.0, "path": ""}
-                for k, v in floors.items()
-            ]
-            del model, inputs
-            torch.cuda.empty_cache()
+                with torch.inference_mode():
+                    ms = median_ms(lambda fn=fn, x=x: fn(x), warmup=10, repeats=50)
+                    memory = peak_mb(lambda fn=fn, x=x: fn(x), x)
+                rows.append(
+                    {
+                        "dtype": dtype_name,
+                        "batch": batch,
+                        "side": side,
+                        "provider": name,
+                        "input": kind,
+                        "ms": ms,
+                        "peak_mb": memory,
+                        "path": path if name == "lumenbridge" else "",
+                    }
+                )
+                print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
+        floors = floors_ms(config, batch, side, copy_gbs, tflops)
+        rows += [
+            {
+                "dtype": dtype_name,
+                "batch": batch,
+                "side": side,
+                "provider": f"floor: {k}",
+                "input": "",
+                "ms": v,
+                "peak_mb": 0.0,
+                "path": "",
+            }
+            for k, v in floors.items()
+        ]
+        del model, inputs
+        torch.cuda.empty_cache()
     return {"environment": env, "copy_gbs": copy_gbs, "matmul_tflops": tflops, "rows": rows}
 
 
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
-        f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, Python {env['python']}, "
-        f"{env['date']}; lumenbridge-base, channels-last input. Copy {result['copy_gbs']:.0f} GB/s, "
-        f"bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s (same run). Median ms; peak MB above the inputs.",
+        (
+            f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+            f"Python {env['python']}, {env['date']}; lumenbridge-base, channels-last input. "
+            f"Copy {result['copy_gbs']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s (same run). "
+            "Median ms; peak MB above the inputs."
+        ),
         "",
         "| dtype | B | side | provider | input | ms | vs lumenbridge | peak MB |",
         "|---|---|---|---|---|---|---|---|",
@@ -184,8 +204,13 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     for r in rows:
         ours = next(
-            (o["ms"] for o in rows if o["provider"] == "lumenbridge" and o["input"] == (r["input"] or "float")
-             and (o["dtype"], o["batch"], o["side"]) == (r["dtype"], r["batch"], r["side"])),
+            (
+                o["ms"]
+                for o in rows
+                if o["provider"] == "lumenbridge"
+                and o["input"] == (r["input"] or "float")
+                and (o["dtype"], o["batch"], o["side"]) == (r["dtype"], r["batch"], r["side"])
+            ),
             None,
         )
         ratio = f"{r['ms'] / ours:.2f}x" if ours else ""
@@ -209,8 +234,12 @@ def plot(result: dict, path: Path) -> None:
     names = [p for p in dict.fromkeys(r["provider"] for r in rows)]
     fig, ax = plt.subplots(figsize=(10, 5))
     for name in names:
-        points = [(i, r["ms"]) for i, case in enumerate(cases) for r in rows
-                  if r["provider"] == name and (r["batch"], r["side"]) == case]
+        points = [
+            (i, r["ms"])
+            for i, case in enumerate(cases)
+            for r in rows
+            if r["provider"] == name and (r["batch"], r["side"]) == case
+        ]
         style = "--" if name.startswith("floor") else "-o"
         ax.plot([p[0] for p in points], [p[1] for p in points], style, label=name)
     ax.set_xticks(range(len(cases)), [f"B={b}, {s}²" for b, s in cases])

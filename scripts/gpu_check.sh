@@ -5,7 +5,9 @@
 # and whole-tokenizer benchmarks, and print a short summary last. Logs go to
 # $OUT (default: gpu_check_out/).
 #   bash scripts/gpu_check.sh [PARTS...]   PARTS: tests sanitize bench (default: all three)
-#   PYTEST_ARGS selects tests (default: the whole suite).
+#   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_ARGS goes to
+#   sanitize_kernels.py (--fused-only); BENCHES picks benchmarks (default:
+#   depthwise tokenizer fused); FUSED_BENCH_ARGS goes to bench_fused.py (--quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -36,15 +38,17 @@ if [[ $parts == *" sanitize "* ]]; then
   # initialize the inputs (filtered, it reports their writes as missing).
   for tool in memcheck racecheck synccheck; do
     step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      --kernel-name kns=lumenbridge python3 scripts/sanitize_kernels.py
+      --kernel-name kns=lumenbridge python3 scripts/sanitize_kernels.py ${SANITIZE_ARGS:-}
   done
   step sanitizer-initcheck compute-sanitizer --tool initcheck --error-exitcode 9 \
-    python3 scripts/sanitize_kernels.py
+    python3 scripts/sanitize_kernels.py ${SANITIZE_ARGS:-}
 fi
 if [[ $parts == *" bench "* ]]; then
-  step benchmark python3 benchmarks/bench_depthwise.py --out "$OUT"
-  step tokenizer-benchmark python3 benchmarks/bench_tokenizer.py --out "$OUT"
-  step fused-benchmark python3 benchmarks/bench_fused.py --out "$OUT" ${FUSED_BENCH_ARGS:-}
+  benches=" ${BENCHES:-depthwise tokenizer fused} "
+  [[ $benches == *" depthwise "* ]] && step benchmark python3 benchmarks/bench_depthwise.py --out "$OUT"
+  [[ $benches == *" tokenizer "* ]] && step tokenizer-benchmark python3 benchmarks/bench_tokenizer.py --out "$OUT"
+  # shellcheck disable=SC2086
+  [[ $benches == *" fused "* ]] && step fused-benchmark python3 benchmarks/bench_fused.py --out "$OUT" ${FUSED_BENCH_ARGS:-}
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"

@@ -17,8 +17,11 @@ assert native.ready()
 model = VisualTokenizer(seed=0).to("cuda", torch.bfloat16).eval()
 for kind in ("uint8", "float"):
     shape = (args.batch, 3, 224, 224)
-    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda") if kind == "uint8" else torch.randn(
-        shape, device="cuda", dtype=torch.bfloat16)
+    x = (
+        torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+        if kind == "uint8"
+        else torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    )
     x = x.contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         for _ in range(3):

@@ -10,11 +10,10 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import HAS_CUDA
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, native
 from lumenbridge.testing import BASE, NARROW, compare_to_float64, tokenize_cases
-
-from conftest import HAS_CUDA
 
 CASES = tokenize_cases()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -81,7 +80,9 @@ def test_fused_path_covers_every_preset_on_cuda(native_ops):
 
 def test_model_uses_the_op_for_inference_and_layers_for_training(native_ops, monkeypatch):
     calls = []
-    monkeypatch.setattr(native, "tokenize", lambda images, model: calls.append(1) or model.forward_layers(images, "native"))
+    monkeypatch.setattr(
+        native, "tokenize", lambda images, model: calls.append(1) or model.forward_layers(images, "native")
+    )
     model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
     images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
     with torch.no_grad():
@@ -217,25 +218,25 @@ def test_the_op_refuses_a_gradient(native_ops):
 def _arguments(**changes):
     model = VisualTokenizer(NARROW, seed=0).eval()
     images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
-    args = dict(
-        images=images,
-        dw_weights=[s.dw.weight.detach() for s in model.stages],
-        dw_biases=[s.dw.bias.detach() for s in model.stages],
-        pw_weights=[s.pw.weight.detach() for s in model.stages],
-        pw_biases=[s.pw.bias.detach() for s in model.stages],
-        strides=list(NARROW.strides),
-        activation="gelu",
-        stage_norm="none",
-        norm_weights=[],
-        norm_biases=[],
-        token_norm_weight=model.token_norm.weight.detach(),
-        token_norm_bias=model.token_norm.bias.detach(),
-        eps=1e-5,
-        mean=[120.0, 115.0, 100.0],
-        std=[58.0, 57.0, 57.0],
-        padded_size=[32, 32],
-        output_fmt="NLC",
-    )
+    args = {
+        "images": images,
+        "dw_weights": [s.dw.weight.detach() for s in model.stages],
+        "dw_biases": [s.dw.bias.detach() for s in model.stages],
+        "pw_weights": [s.pw.weight.detach() for s in model.stages],
+        "pw_biases": [s.pw.bias.detach() for s in model.stages],
+        "strides": list(NARROW.strides),
+        "activation": "gelu",
+        "stage_norm": "none",
+        "norm_weights": [],
+        "norm_biases": [],
+        "token_norm_weight": model.token_norm.weight.detach(),
+        "token_norm_bias": model.token_norm.bias.detach(),
+        "eps": 1e-5,
+        "mean": [120.0, 115.0, 100.0],
+        "std": [58.0, 57.0, 57.0],
+        "padded_size": [32, 32],
+        "output_fmt": "NLC",
+    }
     args.update(changes)
     return args
 
@@ -244,7 +245,6 @@ def _widen(tensors, index, tensor):
     tensors = list(tensors)
     tensors[index] = tensor
     return tensors
-
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,10 @@ def _widen(tensors, index, tensor):
         (lambda a: {"dw_weights": _widen(a["dw_weights"], 1, torch.zeros(12, 1, 5, 5))}, "stage 1 dw_weight"),
         (lambda a: {"dw_weights": [torch.zeros(3, 1, 4, 4)] + a["dw_weights"][1:]}, "kernel_size must be 3, 5 or 7"),
         (lambda a: {"pw_weights": _widen(a["pw_weights"], 2, torch.zeros(36, 21, 1, 1))}, "stage 2 pw_weight"),
-        (lambda a: {"pw_biases": _widen(a["pw_biases"], 3, torch.zeros(39))}, r"stage 3 pw_bias must have shape \[40\]"),
+        (
+            lambda a: {"pw_biases": _widen(a["pw_biases"], 3, torch.zeros(39))},
+            r"stage 3 pw_bias must have shape \[40\]",
+        ),
         (lambda a: {"dw_biases": _widen(a["dw_biases"], 0, torch.zeros(3, dtype=torch.float64))}, "dtype"),
         (lambda a: {"pw_weights": _widen(a["pw_weights"], 0, torch.zeros(12, 6, 1, 1)[:, ::2])}, "contiguous"),
         (lambda a: {"activation": "tanh"}, "activation must be one of gelu, relu, silu, none"),

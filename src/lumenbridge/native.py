@@ -42,9 +42,25 @@ def _grid(size: int, kernel_size: int, strides) -> int:
     return size
 
 
-def _tokenize_fake(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, activation, stage_norm,
-                   norm_weights, norm_biases, token_norm_weight, token_norm_bias, eps, mean, std, padded_size,
-                   output_fmt):
+def _tokenize_fake(
+    images,
+    dw_weights,
+    dw_biases,
+    pw_weights,
+    pw_biases,
+    strides,
+    activation,
+    stage_norm,
+    norm_weights,
+    norm_biases,
+    token_norm_weight,
+    token_norm_bias,
+    eps,
+    mean,
+    std,
+    padded_size,
+    output_fmt,
+):
     k = dw_weights[0].shape[-1]
     n, d = images.shape[0], pw_weights[-1].shape[0]
     h, w = (_grid(extent, k, strides) for extent in padded_size)

@@ -81,7 +81,7 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
 }
 
 // erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0 (Abramowitz and Stegun
-// 7.1.28, |error| <= 3e-7): branch-free, one reciprocal, and about half the
+// 7.1.28, |error| <= 3e-7): branch-free, one hardware reciprocal, and about half the
 // instructions of erff, whose two polynomial ranges cost selects on every call.
 // Far below half a unit of bfloat16 or float16, the only dtypes that use it.
 __device__ __forceinline__ float fast_erf(float z) {
@@ -92,7 +92,9 @@ __device__ __forceinline__ float fast_erf(float z) {
   p *= p;  // p^4
   p *= p;  // p^8
   p *= p;  // p^16; inf for large |z|, whose reciprocal 0 gives erf = 1
-  return copysignf(1.0f - __frcp_rn(p), z);
+  float inverse;  // the hardware reciprocal (1 ulp): rcp.rn would cost a Newton sequence
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inverse) : "f"(p));
+  return copysignf(1.0f - inverse, z);
 }
 
 __device__ __forceinline__ float activate(float v, Activation act) {

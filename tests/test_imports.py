@@ -10,15 +10,33 @@ import torch
 from lumenbridge import dispatch
 
 
-def test_import_does_not_load_dynamo():
+def modules_loaded_by(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running code."""
     run = subprocess.run(
-        [sys.executable, "-c", "import sys, lumenbridge; print('torch._dynamo' in sys.modules)"],
+        [sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    assert run.stdout.strip() == "False"
+    return set(run.stdout.split())
+
+
+def test_import_lumenbridge_alone_does_not_load_torch():
+    assert "torch" not in modules_loaded_by("import lumenbridge")
+
+
+def test_using_the_package_does_not_load_dynamo():
+    loaded = modules_loaded_by("import lumenbridge; lumenbridge.VisualTokenizer; lumenbridge.backends")
+    assert "torch" in loaded and "lumenbridge.dispatch" in loaded
+    assert "torch._dynamo" not in loaded
+
+
+def test_every_public_name_resolves():
+    import lumenbridge
+
+    assert all(getattr(lumenbridge, name) is not None for name in lumenbridge.__all__)
+    assert set(lumenbridge.__all__) <= set(dir(lumenbridge))
 
 
 def test_the_backend_choice_is_marked_constant_as_torch_compiler_would():

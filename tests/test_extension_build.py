@@ -223,6 +223,20 @@ def test_changed_sources_or_compiler_build_side_by_side_with_a_notice_each_time(
     assert len(notices) == 3 and all("compiling the native extension" in notice for notice in notices)
 
 
+def test_a_build_folder_that_lost_its_library_is_rebuilt(tmp_path, cache):
+    library = tiny_library(tiny_source(tmp_path / "src"))
+    path, _ = extension.compile_library(library)
+    path.unlink()
+    assert extension.compile_library(library) == (path, True)
+
+
+def test_a_cache_that_cannot_be_written_is_a_build_error(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(extension.BuildError, match="cannot build in"):
+        extension.compile_library(tiny_library(tiny_source(tmp_path / "src")))
+
+
 def test_the_build_folder_records_what_it_was_built_from(tmp_path, cache):
     path, _ = extension.compile_library(tiny_library(tiny_source(tmp_path / "src")))
     record = json.loads((path.parent / extension.COMPLETE_MARKER).read_text())

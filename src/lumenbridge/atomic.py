@@ -11,13 +11,17 @@ and the next write to the same folder finds it unlocked and removes it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: staging folders are never locked, so none is ever judged abandoned
+    fcntl = None
 
 STAGING_PREFIX = ".lumenbridge-partial-"
 
@@ -36,6 +40,9 @@ def remove_abandoned(directory: str | os.PathLike) -> None:
 def _locked(folder: str, wait: bool) -> Iterator[bool]:
     """Hold an exclusive flock() on a folder; yields False if another process
     holds it and wait is False. The kernel drops the lock when its holder dies."""
+    if fcntl is None:
+        yield False
+        return
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         try:

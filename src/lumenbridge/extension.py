@@ -22,11 +22,11 @@ again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -38,6 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: builds run unlocked
+    fcntl = None
 
 log = logging.getLogger("lumenbridge")
 
@@ -107,7 +112,7 @@ def _cuda_archs() -> tuple[str, ...]:
 
 def _tool_identity(program: str) -> dict[str, str]:
     """Where a compiler resolves to and what it says its version is; empty if it is missing."""
-    path = shutil.which(program)
+    path = shutil.which(program) if program else None
     if path is None:
         return {}
     run = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
@@ -130,7 +135,7 @@ def _toolchain(library: Library) -> dict:
     """Everything outside the sources and flags that the compiled library depends on."""
     toolchain = {
         "torch": [torch.__version__, torch.version.git_version, torch.version.cuda],
-        "python": [sys.implementation.cache_tag, sys.platform, os.uname().machine],
+        "python": [sys.implementation.cache_tag, sys.platform, platform.machine()],
         "cxx": _tool_identity(_cxx_compiler()),
     }
     if library.with_cuda:
@@ -169,6 +174,9 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive flock() on lock_path. The kernel drops it when the
     holder exits, however it exits, so a lock can never outlive its owner."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
     # Opened without truncation: the file is never removed or replaced, so all
     # processes lock the same inode; it only carries the holder's pid, for messages.
     with open(lock_path, "a+") as file:
@@ -210,7 +218,7 @@ def _ninja_on_path() -> Iterator[None]:
 
 def _discard_unfinished(folder: Path) -> bool:
     """Remove what earlier builds of folder left: their staging folders, and
-    folder itself if it is not marked complete. The caller holds the build
+    folder itself, which is incomplete if this runs. The caller holds the build
     lock, so the processes that made them are gone. True if there was any."""
     leftovers = list(folder.parent.glob(folder.name + STAGING_SUFFIX + "*"))
     if folder.exists():
@@ -268,13 +276,20 @@ def compile_library(library: Library, verbose: bool = False) -> tuple[Path, bool
     toolchain = _toolchain(library)
     folder = _build_root() / f"{library.name}_{_digest(library, toolchain)}"
     path = folder / f"{library.name}.so"
-    if not (folder / COMPLETE_MARKER).exists():
-        with _exclusive(folder.with_name(folder.name + ".lock")):
-            # Another process may have finished it while this one waited.
-            if not (folder / COMPLETE_MARKER).exists():
-                with _ninja_on_path():
-                    _compile(library, folder, toolchain, verbose)
-                return path, True
+
+    def complete() -> bool:
+        return (folder / COMPLETE_MARKER).exists() and path.exists()
+
+    if not complete():
+        try:
+            with _exclusive(folder.with_name(folder.name + ".lock")):
+                # Another process may have finished it while this one waited.
+                if not complete():
+                    with _ninja_on_path():
+                        _compile(library, folder, toolchain, verbose)
+                    return path, True
+        except OSError as error:  # e.g. a read-only cache
+            raise BuildError(f"cannot build in {folder.parent}: {error}") from error
     try:
         torch.ops.load_library(str(path))
     except OSError as error:

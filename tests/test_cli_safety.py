@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -238,26 +239,42 @@ def test_output_into_a_closed_pipe_exits_141_quietly(unbuffered):
     assert "no output was written" not in run.stderr
 
 
+def default_signals():
+    """Runs in a child before exec: a test run started in the background or
+    under nohup ignores SIGINT or SIGHUP, and children would inherit that."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def start_job(command):
+    # A session of its own, interrupted like a terminal interrupts a job: the whole group.
+    return subprocess.Popen(
+        command,
+        env=environment(),
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=default_signals,  # noqa: PLW1509 - no threads here
+    )
+
+
 def interrupt(process):
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole job
+    os.killpg(process.pid, signal.SIGINT)
     _, err = process.communicate(timeout=120)
-    return err
+    return err.decode()
 
 
 def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
-    for index in range(300):
-        save_image(tmp_path / f"{index:03}.png", color=(index % 256, 0, 0))
+    for index in range(1000):
+        save_image(tmp_path / f"{index:04}.png", color=(index % 256, 0, 0))
     out = tmp_path / "tokens.safetensors"
-    process = subprocess.Popen(
-        [*COMMAND, "tokenize", str(tmp_path), "--out", str(out), *FAST, "--workers", "2", "--batch-size", "4"],
-        env=environment(),
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    process = start_job(
+        [*COMMAND, "tokenize", str(tmp_path), "--out", str(out), *FAST, "--workers", "2", "--batch-size", "4"]
     )
-    while "random initialization" not in process.stderr.readline():
-        assert process.poll() is None
-    time.sleep(1)  # into the tokenizing loop
+    progress = b""
+    while not re.search(rb" [1-9][0-9]*/1000 ", progress):  # the progress bar has moved: images are being tokenized
+        chunk = os.read(process.stderr.fileno(), 4096)
+        assert chunk, progress.decode()
+        progress += chunk
     err = interrupt(process)
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1] == "lumenbridge: interrupted"
@@ -266,9 +283,7 @@ def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
 
 
 def test_ctrl_c_while_starting_up_prints_one_line_and_exits_130():
-    process = subprocess.Popen(
-        [*COMMAND, "info"], env=environment(), stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = start_job([*COMMAND, "info"])
     time.sleep(0.5)  # the interpreter is running and importing torch
     err = interrupt(process)
     assert process.returncode == 130, err

@@ -93,15 +93,31 @@ def environment(cache: Path, **overrides: str) -> dict[str, str]:
     return env
 
 
-def start_tiny_build(source_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+def default_signals():
+    """Runs in a child before exec: a test run started in the background or
+    under nohup ignores SIGINT or SIGHUP, and children would inherit that."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def start_job(command: list[str], env: dict[str, str], **options) -> subprocess.Popen:
     # A session of its own, so that a test can kill it like a terminal kills a job.
     return subprocess.Popen(
-        [sys.executable, "-c", BUILD_TINY, str(source_dir)],
+        command,
         env=env,
+        start_new_session=True,
+        preexec_fn=default_signals,  # noqa: PLW1509 - no threads here
+        **options,
+    )
+
+
+def start_tiny_build(source_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    return start_job(
+        [sys.executable, "-c", BUILD_TINY, str(source_dir)],
+        env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
     )
 
 
@@ -283,9 +299,7 @@ def test_a_killed_first_build_without_ninja_on_path_recovers_and_is_then_cached(
     cache = tmp_path / "cache"
     env = environment(cache, PATH=path_without_ninja(tmp_path))
     command = [sys.executable, "-m", "lumenbridge"]
-    first = subprocess.Popen(
-        [*command, "build"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+    first = start_job([*command, "build"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: any(cache.glob(f"*{extension.STAGING_SUFFIX}*/build.ninja")), first)
     time.sleep(2)
     os.killpg(first.pid, signal.SIGHUP)  # what closing the terminal does; ninja stops its compilers

@@ -95,10 +95,23 @@ class BuildReport:
         return f"{how} {kind} in {self.seconds:.1f} s\n  library: {self.library}"
 
 
-def _cuda_toolkit_usable() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
+def _cpp_extension():
+    """torch.utils.cpp_extension. On a machine with a CUDA toolkit but no GPU,
+    importing it warns that no CUDA runtime is found; LumenBridge builds no
+    CUDA kernels there, so the warning would only be noise on every run."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    if not torch.cuda.is_available():
+        logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
 
-    return torch.version.cuda is not None and torch.cuda.is_available() and CUDA_HOME is not None
+
+def _cuda_toolkit_usable() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available() and _cpp_extension().CUDA_HOME is not None
 
 
 def _cuda_archs() -> tuple[str, ...]:
@@ -120,15 +133,11 @@ def _tool_identity(program: str) -> dict[str, str]:
 
 
 def _cxx_compiler() -> str:
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    return get_cxx_compiler()
+    return _cpp_extension().get_cxx_compiler()
 
 
 def _nvcc() -> str:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return os.path.join(_cpp_extension().CUDA_HOME, "bin", "nvcc")
 
 
 def _toolchain(library: Library) -> dict:
@@ -164,9 +173,7 @@ def _digest(library: Library, toolchain: dict) -> str:
 
 
 def _build_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root())
 
 
 @contextlib.contextmanager
@@ -232,8 +239,6 @@ def _discard_unfinished(folder: Path) -> bool:
 def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> None:
     """Compile and load library, staged in a folder of its own that becomes
     `folder`, marked complete, only once the build has succeeded."""
-    from torch.utils import cpp_extension
-
     if not toolchain["cxx"]:
         raise BuildError(f"no C++ compiler found (looked for {_cxx_compiler()!r}; set CXX to choose one)")
     if shutil.which("ninja") is None:
@@ -247,7 +252,7 @@ def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> 
     staging = Path(tempfile.mkdtemp(prefix=folder.name + STAGING_SUFFIX, dir=folder.parent))
     try:
         # Loads the library too, from the staging path; the mapping survives the renames.
-        built = cpp_extension.load(
+        built = _cpp_extension().load(
             name=library.name,
             sources=[str(s) for s in library.sources],
             extra_include_paths=[str(library.source_dir)],

@@ -8,24 +8,28 @@
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_ARGS goes to
 #   sanitize_kernels.py (--fused-only); BENCHES picks benchmarks (default:
 #   depthwise tokenizer fused); FUSED_BENCH_ARGS goes to bench_fused.py (--quick).
+# Exits 0 only if every step passed; otherwise 1, after running the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 summary=()
+status=0
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail
   local name=$1; shift
   local started=$SECONDS
   "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-22s %s (%ds)' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc")" $((SECONDS - started)))")
+  [ $rc -eq 0 ] || status=1
   tail -n 5 "$OUT/$name.log"
   return $rc
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+step gpu nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+step torch python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+cat "$OUT/gpu.log" "$OUT/torch.log" >"$OUT/gpu.txt"
 parts=" ${*:-tests sanitize bench} "
 step build python3 -m lumenbridge build || { printf '%s\n' "${summary[@]}"; exit 1; }
 if [[ $parts == *" tests "* ]]; then
@@ -53,3 +57,4 @@ if [[ $parts == *" bench "* ]]; then
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+exit $status

@@ -32,6 +32,13 @@ def save_image(path, color, size=(40, 30)):
     return str(path)
 
 
+def write_previous_output(path):
+    """A tokens file from an earlier run, which a new run may replace; returns its bytes."""
+    metadata = {"paths": "[]", "config": "{}"}
+    safetensors.torch.save_file({"tokens": torch.zeros(1, 4, 384)}, path, metadata=metadata)
+    return path.read_bytes()
+
+
 def read_output(path):
     with safe_open(path, framework="pt") as file:
         return file.get_tensor("tokens"), file.metadata()
@@ -154,16 +161,16 @@ def test_a_bad_checkpoint_is_a_usage_error(tmp_path, good_images, capsys):
 
 def test_a_failed_run_keeps_the_previous_output(tmp_path):
     out = tmp_path / "tokens.safetensors"
-    out.write_bytes(b"previous good output")
+    previous = write_previous_output(out)
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"\xff\xd8 garbage")
     assert cli.main(["tokenize", str(bad), "--out", str(out), *FAST]) == 2
-    assert out.read_bytes() == b"previous good output"
+    assert out.read_bytes() == previous
 
 
 def test_a_crash_while_writing_keeps_the_previous_output(tmp_path, good_images, monkeypatch, capsys):
     out = tmp_path / "tokens.safetensors"
-    out.write_bytes(b"previous good output")
+    previous = write_previous_output(out)
 
     def write_half_then_fail(tensors, filename, metadata=None):
         with open(filename, "wb") as file:
@@ -173,13 +180,13 @@ def test_a_crash_while_writing_keeps_the_previous_output(tmp_path, good_images, 
     monkeypatch.setattr(safetensors.torch, "save_file", write_half_then_fail)
     assert cli.main(["tokenize", *good_images, "--out", str(out), *FAST]) == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert out.read_bytes() == b"previous good output"
+    assert out.read_bytes() == previous
     assert sorted(os.listdir(tmp_path)) == ["images", "tokens.safetensors"]
 
 
 def test_a_safetensors_write_error_exits_2_and_keeps_the_previous_output(tmp_path, good_images, monkeypatch, capsys):
     out = tmp_path / "tokens.safetensors"
-    out.write_bytes(b"previous good output")
+    previous = write_previous_output(out)
 
     def refuse(tensors, filename, metadata=None):
         raise safetensors.SafetensorError("Error while serializing: disk full")
@@ -187,7 +194,7 @@ def test_a_safetensors_write_error_exits_2_and_keeps_the_previous_output(tmp_pat
     monkeypatch.setattr(safetensors.torch, "save_file", refuse)
     assert cli.main(["tokenize", *good_images, "--out", str(out), *FAST]) == 2
     assert "disk full" in capsys.readouterr().err
-    assert out.read_bytes() == b"previous good output"
+    assert out.read_bytes() == previous
 
 
 def test_an_unexpected_error_exits_3_not_1(tmp_path, good_images, monkeypatch, capsys):
@@ -212,7 +219,7 @@ def test_a_device_without_kernels_is_a_usage_error(tmp_path, good_images, capsys
 
 def test_a_successful_run_replaces_the_previous_output(tmp_path, good_images):
     out = tmp_path / "tokens.safetensors"
-    out.write_bytes(b"old")
+    write_previous_output(out)
     assert cli.main(["tokenize", *good_images, "--out", str(out), *FAST]) == 0
     assert read_output(out)[0].shape[0] == 3
     assert sorted(os.listdir(tmp_path)) == ["images", "tokens.safetensors"]

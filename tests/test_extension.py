@@ -15,16 +15,21 @@ def failing_load(**kwargs):
     raise RuntimeError("Error building extension 'lumenbridge': c++: command not found")
 
 
-def test_failed_build_raises_build_error_naming_the_cause(monkeypatch):
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A cache with no finished build, so that the (failing) build runs."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+
+def test_failed_build_raises_build_error_naming_the_cause(monkeypatch, empty_cache):
     monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
     with pytest.raises(extension.BuildError, match="c\\+\\+: command not found"):
         extension._build(verbose=False)
 
 
-def test_failed_build_falls_back_with_one_log_line(monkeypatch, caplog):
+def test_failed_build_falls_back_with_a_notice_and_one_log_line(monkeypatch, caplog, empty_cache):
     monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
     monkeypatch.setattr(extension, "_state", None)
-    monkeypatch.setattr(extension, "_is_cached", lambda name: True)
     monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
     monkeypatch.delenv(lumenbridge.BACKEND_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger="lumenbridge"):
@@ -32,7 +37,8 @@ def test_failed_build_falls_back_with_one_log_line(monkeypatch, caplog):
         assert extension.load() is False  # remembered, not rebuilt
         assert lumenbridge.select_backend("cpu").name == "reference"
         assert lumenbridge.select_backend("cpu").name == "reference"
-    fallbacks = [r.getMessage() for r in caplog.records]
+    notice, *fallbacks = [r.getMessage() for r in caplog.records]
+    assert "compiling the native extension" in notice
     assert len(fallbacks) == 1
     assert "using the PyTorch reference on cpu" in fallbacks[0] and "command not found" in fallbacks[0]
     assert "command not found" in extension.load_error()

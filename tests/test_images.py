@@ -96,7 +96,7 @@ def test_sample_photos_are_found_in_the_installed_scikit_image():
     ("mode", "color", "expected"),
     [
         ("L", 77, (77, 77, 77)),
-        ("RGBA", (10, 20, 30, 128), (10, 20, 30)),
+        ("RGBA", (10, 20, 30, 128), (132, 137, 142)),  # half transparent, over white
         ("RGB", (1, 2, 3), (1, 2, 3)),
     ],
 )

@@ -4,12 +4,23 @@ Images [B, 3, H, W] become token sequences [B, (H/16)(W/16), D] through
 strided depthwise-separable convolutions, on a pure-PyTorch reference or on
 LumenBridge's own kernels behind a C++ operator gateway."""
 
-from . import extension, ops
-from .config import PRESETS, TokenizerConfig
-from .dispatch import BACKEND_ENV, backends, select_backend
-from .model import VisualTokenizer
+import importlib
 
 __version__ = "0.1.0"
+
+# The public names and the submodule each comes from, imported on first use:
+# `import lumenbridge` alone, and the command line's start-up, then do not
+# wait for torch (seconds) before they need it.
+_SOURCES = {
+    "BACKEND_ENV": "dispatch",
+    "PRESETS": "config",
+    "TokenizerConfig": "config",
+    "VisualTokenizer": "model",
+    "backends": "dispatch",
+    "extension": None,  # a submodule itself
+    "ops": None,
+    "select_backend": "dispatch",
+}
 
 __all__ = [
     "BACKEND_ENV",
@@ -22,3 +33,16 @@ __all__ = [
     "ops",
     "select_backend",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_SOURCES[name] or name}", __name__)
+    value = module if _SOURCES[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SOURCES})

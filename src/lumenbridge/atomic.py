@@ -1,35 +1,98 @@
-"""Writing a file so that its path only ever holds a complete version."""
+"""Writing a file so that its path only ever holds a complete version.
+
+A write happens in a staging folder named .lumenbridge-partial-XXXX beside
+the target, locked with flock() for as long as the writer lives, and the
+finished file is renamed onto the target in one step. Everything a writer
+makes, including temporary files of its own (safetensors' writer creates
+one), stays in that folder. A writer that is killed leaves only that folder,
+and the next write to the same folder finds it unlocked and removes it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
-import uuid
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: staging folders are never locked, so none is ever judged abandoned
+    fcntl = None
 
-def write_atomically(path: str | Path, write: Callable[[str], None]) -> None:
+STAGING_PREFIX = ".lumenbridge-partial-"
+
+
+def remove_abandoned(directory: str | os.PathLike) -> None:
+    """Remove the staging folders in `directory` whose writer is gone (their lock is free)."""
+    for entry in os.scandir(directory):
+        if not (entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        with contextlib.suppress(FileNotFoundError), _locked(entry.path, wait=False) as locked:
+            if locked:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(folder: str, wait: bool) -> Iterator[bool]:
+    """Hold an exclusive flock() on a folder; yields False if another process
+    holds it and wait is False. The kernel drops the lock when its holder dies."""
+    if fcntl is None:
+        yield False
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            locked = True
+        except BlockingIOError:
+            locked = False
+        yield locked
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def staging_folder(directory: str | os.PathLike) -> Iterator[Path]:
+    """A new, locked staging folder in `directory`, removed with whatever is left in it on exit.
+    Creating it is also the check that files can be written there."""
+    folder = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory)
+    try:
+        with _locked(folder, wait=True):
+            yield Path(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _mode_for(path: str, staged: str) -> int:
+    """The permissions for the new file: those of the file it replaces, else
+    those of a newly created file (0666 less the umask, learnt by creating
+    `staged`; some writers, safetensors among them, create files owner-only)."""
+    with contextlib.suppress(FileNotFoundError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    descriptor = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    os.close(descriptor)
+    return stat.S_IMODE(os.stat(staged).st_mode)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Call write(temporary_path), then move the result onto `path`.
 
-    The temporary file sits in the same directory (so the final rename stays
-    on one filesystem), gets the permissions a normally created file would
-    have (some writers, safetensors among them, create files owner-only), and
-    is flushed to disk before it replaces `path` in one step. An existing file
-    at `path` survives any failure before that."""
-    directory, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    # Learn the usual mode (0666 less the umask) from a file created the ordinary way.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
-    os.close(descriptor)
-    try:
-        write(temporary)
-        os.chmod(temporary, mode)
-        with open(temporary, "r+b") as file:
+    A symlink at `path` is followed: the file it points to is replaced and
+    the link stays. The new file keeps the permissions of the one it
+    replaces, and is flushed to disk before it replaces `path` in one step.
+    An existing file at `path` survives any failure before that."""
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    remove_abandoned(directory)
+    with staging_folder(directory) as folder:
+        staged = str(folder / os.path.basename(target))
+        mode = _mode_for(target, staged)
+        write(staged)
+        os.chmod(staged, mode)
+        with open(staged, "r+b") as file:
             os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+        os.replace(staged, target)

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import stat
 import sys
 import time
 import traceback
@@ -15,37 +16,57 @@ from dataclasses import dataclass
 import safetensors
 import safetensors.torch
 import torch
+from PIL import ImageColor
 from tqdm import tqdm
 
 import lumenbridge
-from lumenbridge.atomic import write_atomically
+from lumenbridge.atomic import staging_folder, write_atomically
 from lumenbridge.dispatch import BACKENDS
-from lumenbridge.images import ImageFileDataset, collate_images, discover_images, resolve_resize, sample_image_paths
+from lumenbridge.images import (
+    DEFAULT_MAX_PIXELS,
+    WHITE,
+    ImageFileDataset,
+    collate_images,
+    discover_images,
+    resolve_resize,
+    sample_image_paths,
+)
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
 EXIT_USAGE = 2
 EXIT_CRASH = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE, as for any program whose reader went away
 
 TOKEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 TOKENIZE_HELP = """\
 Tokenize images into one safetensors file holding the tensor 'tokens' [N, T, D]
-and the metadata 'paths' (JSON list: the source of each row, in order),
-'config', 'weights' and 'preprocess'. Unreadable images are named on stderr
-with the reason and skipped. The file is written atomically: a failed run
-never leaves a partial file or replaces an existing one.
+and the metadata 'paths' (JSON list: the absolute path of each row's source,
+in order), 'config', 'weights' and 'preprocess'. Unreadable images, and
+images over --max-pixels, are named on stderr with the reason and skipped.
+Transparent pixels are composited onto --background.
+
+The file is written atomically: a failed run never leaves a partial file or
+replaces an existing one. --out never names an input image, and replaces an
+existing file only if it is a LumenBridge tokens file or --overwrite is
+given; a symlink is followed (the file it points to is replaced). The new
+file keeps the permissions of the one it replaces.
 """
 
 EXIT_CODES_HELP = """\
 exit codes:
-  0  every image was tokenized and the output written
-  1  the output was written, but some unreadable images were skipped
-     (each is named on stderr with the reason)
-  2  usage error, no image could be read, or the output could not be
-     written; no output is written and an existing --out file is left as it was
-  3  an unexpected error stopped the run (traceback on stderr); no output
-     is written and an existing --out file is left as it was
+  0    every image was tokenized and the output written
+  1    the output was written, but some unreadable images were skipped
+       (each is named on stderr with the reason)
+  2    usage error (a refused --out included), no image could be read, or the
+       output could not be written; no output is written and an existing
+       --out file is left as it was
+  3    an unexpected error stopped the run (traceback on stderr); no output
+       is written and an existing --out file is left as it was
+  130  interrupted (Ctrl-C); the output is written only if it was complete
+  141  standard output was closed early (e.g. piped into head)
 """
 
 
@@ -70,6 +91,8 @@ def tokenize_files(
     batch_size: int = 32,
     workers: int = 0,
     dtype: torch.dtype = torch.float32,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    background: tuple[int, int, int] = WHITE,
     progress: bool = True,
     on_failure: Callable[[str, str], None] | None = None,
 ) -> TokenizeResult:
@@ -80,7 +103,7 @@ def tokenize_files(
     paths = list(paths)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(
-        ImageFileDataset(paths, image_size, resize),
+        ImageFileDataset(paths, image_size, resize, max_pixels=max_pixels, background=background),
         batch_size=batch_size,
         num_workers=workers,
         collate_fn=collate_images,
@@ -166,13 +189,41 @@ def load_model(args: argparse.Namespace) -> tuple[lumenbridge.VisualTokenizer, s
     return model, f"seeded-init:{seed}"
 
 
-def check_output_path(path: str) -> None:
-    """Fails early, before any work, if the output could not be written where asked."""
-    if os.path.isdir(path):
+def is_tokens_file(path: str) -> bool:
+    """Whether path holds what `tokenize` writes: a safetensors file with the
+    one tensor 'tokens' and its 'paths' and 'config' metadata."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as file:
+            return list(file.keys()) == ["tokens"] and {"paths", "config"} <= set(file.metadata() or {})
+    except (OSError, safetensors.SafetensorError):
+        return False
+
+
+def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:
+    """Fails early, before any image is decoded, if the output could not or
+    should not be written where asked. A symlink is judged by its target,
+    which is what gets replaced."""
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    if os.path.isdir(target):
         raise UsageError(f"--out {path} is a directory")
-    directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"--out {path}: directory {directory} does not exist")
+    if os.path.exists(target):
+        identity = os.stat(target)
+        if not stat.S_ISREG(identity.st_mode):
+            raise UsageError(f"--out {path} exists and is not a regular file")
+        if any(os.path.samestat(identity, os.stat(image)) for image in inputs):
+            raise UsageError(f"--out {path} is one of the input images")
+        if not overwrite and not is_tokens_file(target):
+            raise UsageError(
+                f"--out {path} exists and is not a LumenBridge tokens file; pass --overwrite to replace it"
+            )
+    try:
+        with staging_folder(directory):
+            pass
+    except OSError as error:
+        raise UsageError(f"--out {path}: cannot write in {directory}: {error.strerror}") from error
 
 
 def input_paths(paths: Sequence[str]) -> list[str]:
@@ -193,11 +244,27 @@ def preprocessing_sizes(args: argparse.Namespace, model: lumenbridge.VisualToken
     try:
         model.feature_size(image_size, image_size)
     except ValueError as error:
-        raise UsageError(f"--image-size {image_size}: {error}") from error
+        step = model.config.total_stride
+        nearby = [size for size in (image_size // step * step, (image_size // step + 1) * step) if size >= step]
+        raise UsageError(
+            f"--image-size {image_size}: must be a multiple of the model's total stride {step}; "
+            f"try --image-size {' or '.join(map(str, nearby))}"
+        ) from error
     try:
         return image_size, resolve_resize(image_size, args.resize)
     except ValueError as error:
         raise UsageError(f"--resize: {error}") from error
+
+
+def background_color(name: str, model: lumenbridge.VisualTokenizer) -> tuple[int, int, int]:
+    """The RGB colour for --background: a colour name or #hex, or "mean", the
+    model's normalization mean (transparent pixels then normalize to zero)."""
+    if name == "mean":
+        return tuple(round(255 * channel) for channel in model.config.mean)
+    try:
+        return ImageColor.getrgb(name)[:3]
+    except ValueError as error:
+        raise UsageError(f"--background {name!r}: {error}; use a colour name, #rrggbb or 'mean'") from error
 
 
 def report_skipped(path: str, reason: str) -> None:
@@ -227,14 +294,17 @@ def run_tokenize(args: argparse.Namespace) -> int:
             raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
         if args.workers < 0:
             raise UsageError(f"--workers must be zero or more, got {args.workers}")
+        if args.max_pixels < 1:
+            raise UsageError(f"--max-pixels must be positive, got {args.max_pixels}")
         if args.weights is not None and (args.preset is not None or args.seed is not None):
             raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
-        check_output_path(args.out)
         paths = input_paths(args.paths)
+        check_output_path(args.out, paths, args.overwrite)
         device = resolve_device(args.device)
         backend = selected_backend(device, args.backend)
         model, weights = load_model(args)
         image_size, resize = preprocessing_sizes(args, model)
+        background = background_color(args.background, model)
     except UsageError as error:
         print(f"lumenbridge: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -248,6 +318,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         workers=args.workers,
         dtype=TOKEN_DTYPES[args.dtype],
+        max_pixels=args.max_pixels,
+        background=background,
         on_failure=report_skipped,
     )
     if result.tokens is None:
@@ -255,10 +327,12 @@ def run_tokenize(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     metadata = {
-        "paths": json.dumps(result.paths),
+        "paths": json.dumps([os.path.abspath(path) for path in result.paths]),
         "config": model.config.to_json(),
         "weights": weights,
-        "preprocess": json.dumps({"image_size": image_size, "resize": resize}),
+        "preprocess": json.dumps(
+            {"image_size": image_size, "resize": resize, "background": background, "max_pixels": args.max_pixels}
+        ),
     }
     try:
         save_tokens_atomically(args.out, result.tokens, metadata)
@@ -310,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LumenBridge visual tokenizer: images to transformer tokens.",
         epilog="Exit codes of each command are listed in its --help.",
     )
+    parser.add_argument("--version", action="version", version=f"lumenbridge {lumenbridge.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tokenize = commands.add_parser(
@@ -327,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
         "none: the sample photos bundled with scikit-image",
     )
     tokenize.add_argument("--out", required=True, help="output .safetensors file")
+    tokenize.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out file that is not a LumenBridge tokens file"
+    )
     tokenize.add_argument("--weights", metavar="DIR", help="checkpoint folder written by save_pretrained")
     tokenize.add_argument(
         "--preset",
@@ -336,6 +414,21 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--seed", type=int, help="initialization seed used without --weights (default: 0)")
     tokenize.add_argument("--image-size", type=int, help="side of the square crop (default: the model's image_size)")
     tokenize.add_argument("--resize", type=int, help="shorter side before cropping (default: image size * 256/224)")
+    tokenize.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEFAULT_MAX_PIXELS,
+        metavar="N",
+        help="skip images with more pixels, counted after a JPEG's reduced-size decoding (default: "
+        f"{DEFAULT_MAX_PIXELS}, Pillow's warning threshold; Pillow itself refuses any over {2 * DEFAULT_MAX_PIXELS})",
+    )
+    tokenize.add_argument(
+        "--background",
+        default="white",
+        metavar="COLOR",
+        help="colour that transparent pixels are composited onto: a name, #rrggbb, or 'mean' for the model's "
+        "normalization mean (default: white)",
+    )
     tokenize.add_argument("--batch-size", type=int, default=32, help="images per batch (default: 32)")
     tokenize.add_argument(
         "--workers",
@@ -360,17 +453,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def run_command(argv: Sequence[str] | None) -> int:
+    """Parse the command line and run the command; an unexpected error becomes EXIT_CRASH."""
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exit:
         # argparse exits on --help (0) and on usage errors (2); return the code instead.
         return exit.code if isinstance(exit.code, int) else EXIT_USAGE
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        raise  # not a crash: main reports it
     except Exception:  # noqa: BLE001 - any crash must map to EXIT_CRASH
         # Keep exit code 1 meaning "written, some images skipped": a crash is its own code.
         traceback.print_exc()
         print("lumenbridge: error: the run stopped on an unexpected error; no output was written", file=sys.stderr)
         return EXIT_CRASH
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = run_command(argv)
+        sys.stdout.flush()  # inside the try: buffered output meets a closed pipe here
+        return code
+    except KeyboardInterrupt:
+        print("lumenbridge: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Nothing more can be said on stdout; point it at /dev/null so that the
+        # interpreter's final flush does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OUTPUT_CLOSED

@@ -133,7 +133,6 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
 def resolve_backend_name(device_type: str, channels_last: bool = False, requested: str | None = None) -> str:
     """The name of the backend for `device_type`: the one decision, made in
     plain Python. torch.compile runs it once while tracing and keeps the
@@ -158,6 +157,12 @@ def resolve_backend_name(device_type: str, channels_last: bool = False, requeste
         _fallbacks_logged.add(device_type)
         log.warning("LumenBridge: using the PyTorch reference on %s: %s", device_type, reason)
     return "reference"
+
+
+# What torch.compiler.assume_constant_result(resolve_backend_name) does, without
+# the import of torch._dynamo it makes first (over a second on every `import
+# lumenbridge`); torch.compile reads this flag when it traces a call.
+resolve_backend_name._dynamo_marked_constant = True
 
 
 def select_backend(device: torch.device | str, requested: str | None = None, *, channels_last: bool = False) -> Backend:

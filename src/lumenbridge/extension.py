@@ -2,23 +2,47 @@
 where a CUDA GPU and toolkit exist, the CUDA kernels).
 
 The extension is compiled on first use with torch.utils.cpp_extension and
-cached on disk (under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions),
-so later processes load it in well under a second. `lumenbridge build` builds
-it explicitly. Where it cannot be built (no compiler, no ninja, a compile
-error), one warning line is logged and LumenBridge uses the PyTorch reference.
+cached on disk (under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
+`lumenbridge build` builds it explicitly. Where it cannot be built (no
+compiler, no ninja, a compile error), one warning line is logged and
+LumenBridge uses the PyTorch reference.
+
+Each build gets its own folder, named by a digest of everything that shapes
+the library: the source files' contents, the flags, the compiler, torch and
+Python. A finished build is marked complete and from then on loaded directly,
+without running ninja, so another ninja, checkout or activated venv never
+triggers a rebuild, and distinct toolchains keep their builds side by side.
+A build runs under an flock() lock that the operating system releases when
+its process dies, in a staging folder that is renamed into place only once
+the build succeeded, so a killed build never blocks or corrupts later runs:
+the next process takes the lock, discards the unfinished folder and builds
+again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
+import platform
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: builds run unlocked
+    fcntl = None
 
 log = logging.getLogger("lumenbridge")
 
@@ -26,6 +50,10 @@ CSRC = Path(__file__).parent / "csrc"
 # at::parallel_for runs serially unless the extension itself is built with
 # OpenMP (as libtorch is on Linux); elsewhere the CPU kernels run on one thread.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+# Written into a finished build before it is moved into place; records what it was built from.
+COMPLETE_MARKER = "complete.json"
+# A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
+STAGING_SUFFIX = ".building-"
 
 
 class BuildError(RuntimeError):
@@ -38,23 +66,52 @@ class BuildError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Library:
+    """One shared library to compile: its sources live under source_dir, and
+    every file there (headers included) counts towards its build digest."""
+
+    name: str
+    source_dir: Path
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...] = ()
+    cuda_cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    with_cuda: bool = False
+
+
+@dataclass(frozen=True)
 class BuildReport:
     library: str
     with_cuda: bool
     cuda_archs: tuple[str, ...]
     seconds: float
+    compiled: bool  # False when a finished build was loaded from the cache
 
     def __str__(self) -> str:
         kind = (
             f"CPU + CUDA kernels for {', '.join(self.cuda_archs)}" if self.with_cuda else "CPU kernels only (no CUDA)"
         )
-        return f"built {kind} in {self.seconds:.1f} s\n  library: {self.library}"
+        how = "built" if self.compiled else "loaded the cached build of"
+        return f"{how} {kind} in {self.seconds:.1f} s\n  library: {self.library}"
+
+
+def _cpp_extension():
+    """torch.utils.cpp_extension. On a machine with a CUDA toolkit but no GPU,
+    importing it warns that no CUDA runtime is found; LumenBridge builds no
+    CUDA kernels there, so the warning would only be noise on every run."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    if not torch.cuda.is_available():
+        logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
 
 
 def _cuda_toolkit_usable() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return torch.version.cuda is not None and torch.cuda.is_available() and CUDA_HOME is not None
+    return torch.version.cuda is not None and torch.cuda.is_available() and _cpp_extension().CUDA_HOME is not None
 
 
 def _cuda_archs() -> tuple[str, ...]:
@@ -66,53 +123,211 @@ def _cuda_archs() -> tuple[str, ...]:
     return tuple(f"{major}.{minor}" for major, minor in sorted(capabilities))
 
 
-def _sources(with_cuda: bool) -> list[str]:
-    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]
-    if with_cuda:
-        sources += sorted((CSRC / "cuda").glob("*.cu"))
-    return [str(s) for s in sources]
+def _tool_identity(program: str) -> dict[str, str]:
+    """Where a compiler resolves to and what it says its version is; empty if it is missing."""
+    path = shutil.which(program) if program else None
+    if path is None:
+        return {}
+    run = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return {"path": os.path.realpath(path), "version": run.stdout.strip()}
 
 
-def _is_cached(name: str) -> bool:
-    """Whether a library of this name is already built (sources may still have changed)."""
-    from torch.utils import cpp_extension
-
-    # A private helper of cpp_extension; if a future torch drops it, only the
-    # first-build notice is affected.
-    locate = getattr(cpp_extension, "_get_build_directory", None)
-    return locate is not None and (Path(locate(name, verbose=False)) / f"{name}.so").exists()
+def _cxx_compiler() -> str:
+    return _cpp_extension().get_cxx_compiler()
 
 
-def _build(verbose: bool) -> BuildReport:
-    from torch.utils import cpp_extension
+def _nvcc() -> str:
+    return os.path.join(_cpp_extension().CUDA_HOME, "bin", "nvcc")
 
-    with_cuda = _cuda_toolkit_usable()
-    # The torch version is part of the name: a cached library built against
-    # another torch must never be loaded.
-    flavour = "cuda" if with_cuda else "cpu"
-    name = "lumenbridge_" + re.sub(r"\W", "_", f"{torch.__version__}_{flavour}")
-    if not _is_cached(name):
-        log.warning("LumenBridge: compiling the native extension (first use only; cached afterwards)")
-    started = time.perf_counter()
+
+def _toolchain(library: Library) -> dict:
+    """Everything outside the sources and flags that the compiled library depends on."""
+    toolchain = {
+        "torch": [torch.__version__, torch.version.git_version, torch.version.cuda],
+        "python": [sys.implementation.cache_tag, sys.platform, platform.machine()],
+        "cxx": _tool_identity(_cxx_compiler()),
+    }
+    if library.with_cuda:
+        toolchain["nvcc"] = _tool_identity(_nvcc())
+        toolchain["cuda_archs"] = _cuda_archs()
+    return toolchain
+
+
+def _digest(library: Library, toolchain: dict) -> str:
+    """A digest of the sources (by path relative to source_dir, so identical
+    checkouts share a build), the flags and the toolchain."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in library.source_dir.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(library.source_dir)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    settings = [
+        [str(p.relative_to(library.source_dir)) for p in library.sources],
+        library.cflags,
+        library.cuda_cflags,
+        library.ldflags,
+        library.with_cuda,
+        toolchain,
+    ]
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root())
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock() on lock_path. The kernel drops it when the
+    holder exits, however it exits, so a lock can never outlive its owner."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    # Opened without truncation: the file is never removed or replaced, so all
+    # processes lock the same inode; it only carries the holder's pid, for messages.
+    with open(lock_path, "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            owner = file.read().strip() or "unknown"
+            log.warning(
+                "LumenBridge: waiting for process %s, which is building the native extension (%s)", owner, lock_path
+            )
+            fcntl.flock(file, fcntl.LOCK_EX)
+        file.truncate(0)
+        file.write(str(os.getpid()))
+        file.flush()
+        yield
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """PATH with the ninja that LumenBridge depends on in front: run as
+    .venv/bin/lumenbridge, the venv's bin/ is not on PATH, and cpp_extension
+    only looks there."""
     try:
-        library = cpp_extension.load(
-            name=name,
-            sources=_sources(with_cuda),
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17", *OPENMP_FLAGS] + (["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else []),
-            extra_ldflags=OPENMP_FLAGS,
-            extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLUMENBRIDGE_WITH_CUDA"],
-            with_cuda=with_cuda,
+        import ninja
+    except ImportError:  # installed without its dependencies: PATH may still have one
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, saved]))
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved
+
+
+def _discard_unfinished(folder: Path) -> bool:
+    """Remove what earlier builds of folder left: their staging folders, and
+    folder itself, which is incomplete if this runs. The caller holds the build
+    lock, so the processes that made them are gone. True if there was any."""
+    leftovers = list(folder.parent.glob(folder.name + STAGING_SUFFIX + "*"))
+    if folder.exists():
+        leftovers.append(folder)
+    for leftover in leftovers:
+        # Compilers orphaned by a killed build may still be writing there.
+        shutil.rmtree(leftover, ignore_errors=True)
+    return bool(leftovers)
+
+
+def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> None:
+    """Compile and load library, staged in a folder of its own that becomes
+    `folder`, marked complete, only once the build has succeeded."""
+    if not toolchain["cxx"]:
+        raise BuildError(f"no C++ compiler found (looked for {_cxx_compiler()!r}; set CXX to choose one)")
+    if shutil.which("ninja") is None:
+        raise BuildError("ninja not found (pip install ninja)")
+    discarded = _discard_unfinished(folder)
+    log.warning(
+        "LumenBridge: compiling the native extension into %s%s",
+        folder,
+        " (discarding an unfinished earlier build)" if discarded else "",
+    )
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + STAGING_SUFFIX, dir=folder.parent))
+    try:
+        # Loads the library too, from the staging path; the mapping survives the renames.
+        built = _cpp_extension().load(
+            name=library.name,
+            sources=[str(s) for s in library.sources],
+            extra_include_paths=[str(library.source_dir)],
+            extra_cflags=list(library.cflags),
+            extra_cuda_cflags=list(library.cuda_cflags),
+            extra_ldflags=list(library.ldflags),
+            build_directory=str(staging),
+            with_cuda=library.with_cuda,
             is_python_module=False,
             verbose=verbose,
         )
+        # cpp_extension appends _v1, _v2... when one process builds a name again.
+        os.rename(built, staging / f"{library.name}.so")
+        description = {"sources": [str(s) for s in library.sources], "toolchain": toolchain}
+        (staging / COMPLETE_MARKER).write_text(json.dumps(description, indent=1))
+        os.rename(staging, folder)
     except Exception as error:  # any compiler or loader failure means "no native kernels"
+        shutil.rmtree(staging, ignore_errors=True)
         raise BuildError(f"{type(error).__name__}: {error}") from error
+
+
+def compile_library(library: Library, verbose: bool = False) -> tuple[Path, bool]:
+    """Load library from its cached build, compiling it first if there is
+    none; return the shared library's path and whether it was compiled now.
+    Raises BuildError if it cannot be built or loaded."""
+    toolchain = _toolchain(library)
+    folder = _build_root() / f"{library.name}_{_digest(library, toolchain)}"
+    path = folder / f"{library.name}.so"
+
+    def complete() -> bool:
+        return (folder / COMPLETE_MARKER).exists() and path.exists()
+
+    if not complete():
+        try:
+            with _exclusive(folder.with_name(folder.name + ".lock")):
+                # Another process may have finished it while this one waited.
+                if not complete():
+                    with _ninja_on_path():
+                        _compile(library, folder, toolchain, verbose)
+                    return path, True
+        except OSError as error:  # e.g. a read-only cache
+            raise BuildError(f"cannot build in {folder.parent}: {error}") from error
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise BuildError(f"cannot load {path}: {error}") from error
+    return path, False
+
+
+def _lumenbridge_library(with_cuda: bool) -> Library:
+    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]
+    if with_cuda:
+        sources += sorted((CSRC / "cuda").glob("*.cu"))
+    # No -std flag: cpp_extension passes the C++ standard that this torch's headers need.
+    return Library(
+        name="lumenbridge_" + ("cuda" if with_cuda else "cpu"),
+        source_dir=CSRC,
+        sources=tuple(sources),
+        cflags=("-O3", *OPENMP_FLAGS, *(["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else [])),
+        cuda_cflags=("-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLUMENBRIDGE_WITH_CUDA"),
+        ldflags=tuple(OPENMP_FLAGS),
+        with_cuda=with_cuda,
+    )
+
+
+def _build(verbose: bool) -> BuildReport:
+    with_cuda = _cuda_toolkit_usable()
+    started = time.perf_counter()
+    path, compiled = compile_library(_lumenbridge_library(with_cuda), verbose=verbose)
     return BuildReport(
-        library=str(library) if library else name,
+        library=str(path),
         with_cuda=with_cuda,
         cuda_archs=_cuda_archs() if with_cuda else (),
         seconds=time.perf_counter() - started,
+        compiled=compiled,
     )
 
 

@@ -1,8 +1,13 @@
 """Image inputs for the tokenizer: finding files, decoding, preprocessing, batching.
 
-Decoding keeps Pillow's decompression-bomb limit on: inputs may come from
-untrusted sources, and a tiny file that expands to gigapixels must fail
-loudly instead of exhausting memory.
+Inputs may come from untrusted sources: an image with more than max_pixels
+pixels (after a JPEG's reduced-size decoding) is refused before its pixels
+are decoded, so a tiny file that expands to gigapixels fails loudly, naming
+the file, instead of exhausting memory. Pillow's own hard limit stays on.
+
+Every mode decodes to 8-bit RGB: 16- and 32-bit grayscale is scaled, not
+clipped, and transparent pixels are composited onto a background colour
+instead of showing the colour they happen to store.
 """
 
 from __future__ import annotations
@@ -10,14 +15,19 @@ from __future__ import annotations
 import glob
 import importlib.resources
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageMath, ImageOps
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+
+# Pillow's own warning threshold (1 GiB of 24-bit RGB): about 89.5 Mpx.
+DEFAULT_MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3
+WHITE = (255, 255, 255)
 
 SAMPLE_IMAGE_NAMES = (
     "astronaut.png",
@@ -29,6 +39,11 @@ SAMPLE_IMAGE_NAMES = (
     "retina.jpg",
     "camera.png",
 )
+
+
+class ImageTooLarge(ValueError):
+    """An image with more pixels than the decoding limit allows."""
+
 
 # What a bad input file can raise while being opened and decoded.
 # UnidentifiedImageError and truncated-file errors are OSError subclasses;
@@ -127,21 +142,70 @@ def resolve_resize(image_size: int, resize: int | None = None) -> int:
     return resize
 
 
-def decode_image(path: str | os.PathLike, min_side: int | None = None) -> Image.Image:
-    """Decodes an image file to RGB with its EXIF orientation applied.
+def check_pixel_count(size: tuple[int, int], max_pixels: int) -> None:
+    """Raise ImageTooLarge if an image of this size has more than max_pixels pixels."""
+    width, height = size
+    if width * height > max_pixels:
+        raise ImageTooLarge(
+            f"{width} x {height} = {width * height / 1e6:.1f} Mpx, over the limit of "
+            f"{max_pixels / 1e6:.1f} Mpx (--max-pixels)"
+        )
+
+
+def _wide_gray_to_8bit(image: Image.Image) -> Image.Image:
+    """A 16- or 32-bit integer or 32-bit float grayscale image as 8-bit L, or
+    LA where a tRNS value marks transparent pixels. Integers are taken as
+    16-bit (0..65535, as PNG and TIFF store them), floats as 0..1; values
+    beyond are clipped. Pillow's own conversion clips instead of scaling,
+    which turns almost every 16-bit pixel white."""
+    if image.mode == "F":
+        return image.point(lambda v: v * 255 + 0.5).convert("L")
+    wide = image.convert("I")
+    gray = wide.point(lambda v: v / 257 + 0.5).convert("L")
+    transparent = image.info.get("transparency")
+    if transparent is None:
+        return gray
+    alpha = ImageMath.lambda_eval(lambda args: args["notequal"](args["im"], transparent) * 255, im=wide)
+    return Image.merge("LA", (gray, alpha.convert("L")))
+
+
+def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
+    """Any decoded image as 8-bit RGB, with transparent and translucent pixels
+    composited onto `background` (alpha channels, palette and tRNS transparency)."""
+    if image.mode == "F" or image.mode.startswith("I"):
+        image = _wide_gray_to_8bit(image)
+    if not image.has_transparency_data:
+        return image.convert("RGB")
+    canvas = Image.new("RGBA", image.size, (*background, 255))
+    return Image.alpha_composite(canvas, image.convert("RGBA")).convert("RGB")
+
+
+def decode_image(
+    path: str | os.PathLike,
+    min_side: int | None = None,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    background: tuple[int, int, int] = WHITE,
+) -> Image.Image:
+    """Decodes an image file to 8-bit RGB with its EXIF orientation applied
+    (see to_rgb). Raises ImageTooLarge, before decoding any pixel, if the
+    image has more than max_pixels pixels.
 
     min_side lets the JPEG decoder downscale by a power of two while keeping
     both sides at least that long, which is much cheaper than decoding a
-    large photo at full size only to shrink it afterwards.
+    large photo at full size only to shrink it afterwards; the pixel limit
+    applies to that reduced size.
     """
-    with Image.open(path) as image:
+    with warnings.catch_warnings():
+        # Pillow warns above its threshold, unnamed; check_pixel_count names the file instead.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(path)
+    with image:
         if min_side is not None:
             image.draft("RGB", (min_side, min_side))
+        check_pixel_count(image.size, max_pixels)
         ImageOps.exif_transpose(image, in_place=True)
-        if image.mode == "P":
-            # Palette transparency only survives through RGBA.
-            return image.convert("RGBA").convert("RGB")
-        return image.convert("RGB")
+        return to_rgb(image, background)
 
 
 def crop_box(width: int, height: int, resize: int, image_size: int) -> tuple[float, float, float, float]:
@@ -172,10 +236,18 @@ def preprocess(image: Image.Image, image_size: int, resize: int | None = None) -
     return to_tensor(image.resize((image_size, image_size), Image.Resampling.BICUBIC, box=box))
 
 
-def load_image(path: str | os.PathLike, image_size: int, resize: int | None = None) -> torch.Tensor:
+def load_image(
+    path: str | os.PathLike,
+    image_size: int,
+    resize: int | None = None,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    background: tuple[int, int, int] = WHITE,
+) -> torch.Tensor:
     """Decodes and preprocesses one file into a uint8 tensor [3, image_size, image_size]."""
     resize = resolve_resize(image_size, resize)
-    return preprocess(decode_image(path, min_side=resize), image_size, resize)
+    image = decode_image(path, min_side=resize, max_pixels=max_pixels, background=background)
+    return preprocess(image, image_size, resize)
 
 
 class LoadedImage(NamedTuple):
@@ -201,18 +273,30 @@ class ImageFileDataset(torch.utils.data.Dataset):
     does not stop a DataLoader.
     """
 
-    def __init__(self, paths: Sequence[str], image_size: int, resize: int | None = None):
+    def __init__(
+        self,
+        paths: Sequence[str],
+        image_size: int,
+        resize: int | None = None,
+        *,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        background: tuple[int, int, int] = WHITE,
+    ):
         self.paths = list(paths)
         self.image_size = image_size
         # Checked here, not per item, where the error would read as an unreadable image.
         self.resize = resolve_resize(image_size, resize)
+        self.max_pixels = max_pixels
+        self.background = background
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> LoadedImage:
         try:
-            pixels = load_image(self.paths[index], self.image_size, self.resize)
+            pixels = load_image(
+                self.paths[index], self.image_size, self.resize, max_pixels=self.max_pixels, background=self.background
+            )
         except IMAGE_READ_ERRORS as error:
             return LoadedImage(index, None, f"{type(error).__name__}: {error}")
         return LoadedImage(index, pixels, None)

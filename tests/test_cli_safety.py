@@ -1,0 +1,316 @@
+"""The command line never destroys data, fails before the work when it
+cannot write, leaves no temporary files behind, and behaves at the edges
+(pipes, Ctrl-C, --version, bad options) as a command line should."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from lumenbridge import TokenizerConfig, VisualTokenizer, atomic, cli
+
+SMALL = "lumenbridge-small"
+FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
+COMMAND = [sys.executable, "-m", "lumenbridge"]
+
+
+def save_image(path, color=(200, 30, 30), mode="RGB", size=(40, 30)):
+    Image.new(mode, size, color).save(path)
+    return str(path)
+
+
+def read_tokens(path):
+    with safetensors.safe_open(str(path), framework="pt") as file:
+        return file.get_tensor("tokens"), file.metadata()
+
+
+def tokenize(*arguments):
+    return cli.main(["tokenize", *map(str, arguments), *FAST])
+
+
+def environment(**overrides):
+    env = {**os.environ, **overrides}
+    env.pop("LUMENBRIDGE_BACKEND", None)
+    return env
+
+
+@pytest.fixture
+def two_pngs(tmp_path):
+    return save_image(tmp_path / "a.png"), save_image(tmp_path / "b.png", color=(1, 2, 3))
+
+
+# --- item 7: --out never destroys data ------------------------------------------------------
+
+
+def test_out_before_a_shell_glob_never_replaces_an_image(tmp_path, two_pngs, capsys):
+    # `tokenize --out *.png` in a folder of a.png and b.png: the shell makes --out a.png.
+    a, b = two_pngs
+    before = Path(a).read_bytes()
+    assert cli.main(["tokenize", "--out", a, b, *FAST]) == 2
+    assert "is not a LumenBridge tokens file; pass --overwrite" in capsys.readouterr().err
+    assert Path(a).read_bytes() == before
+
+
+@pytest.mark.parametrize("through_symlink", [False, True])
+def test_out_that_is_an_input_is_refused_even_with_overwrite(tmp_path, two_pngs, capsys, through_symlink):
+    a, _ = two_pngs
+    out = tmp_path / "link.safetensors" if through_symlink else Path(a)
+    if through_symlink:
+        out.symlink_to(a)
+    before = Path(a).read_bytes()
+    assert tokenize(a, "--out", out, "--overwrite") == 2
+    assert "is one of the input images" in capsys.readouterr().err
+    assert Path(a).read_bytes() == before
+
+
+def test_overwrite_replaces_another_file_and_keeps_its_permissions(tmp_path, two_pngs):
+    out = tmp_path / "notes.bin"
+    out.write_bytes(b"not tokens")
+    out.chmod(0o640)
+    assert tokenize(*two_pngs, "--out", out) == 2
+    assert out.read_bytes() == b"not tokens"
+    assert tokenize(*two_pngs, "--out", out, "--overwrite") == 0
+    assert read_tokens(out)[0].shape[0] == 2
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_replacing_a_tokens_file_keeps_its_permissions(tmp_path, two_pngs):
+    out = tmp_path / "tokens.safetensors"
+    assert tokenize(two_pngs[0], "--out", out) == 0
+    out.chmod(0o600)
+    assert tokenize(*two_pngs, "--out", out) == 0
+    assert read_tokens(out)[0].shape[0] == 2
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_a_symlinked_out_is_followed_and_stays_a_link(tmp_path, two_pngs):
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "tokens.safetensors"
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to(target)
+    assert tokenize(*two_pngs, "--out", link) == 0
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert read_tokens(target)[0].shape[0] == 2
+
+
+def test_out_that_is_not_a_regular_file_is_refused(two_pngs, capsys):
+    assert tokenize(*two_pngs, "--out", os.devnull, "--overwrite") == 2
+    assert "is not a regular file" in capsys.readouterr().err
+
+
+# --- item 8: an unwritable location fails before any work --------------------------------
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder where no file can be created, even by root (through the immutable attribute)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    try:
+        subprocess.run(["chattr", "+i", str(folder)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("running as root and chattr +i is not available here")
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_an_unwritable_output_folder_fails_before_any_image_is_decoded(
+    unwritable_folder, two_pngs, monkeypatch, capsys
+):
+    def decode_nothing(*args, **kwargs):
+        raise AssertionError("images were decoded before the output location was checked")
+
+    monkeypatch.setattr(cli, "load_model", decode_nothing)
+    monkeypatch.setattr(cli, "tokenize_files", decode_nothing)
+    assert tokenize(*two_pngs, "--out", unwritable_folder / "tokens.safetensors") == 2
+    assert f"cannot write in {unwritable_folder}" in capsys.readouterr().err
+
+
+# --- item 9: a killed write leaves nothing that a later run does not remove ----------------
+
+# Writes a large tokens file the way `tokenize` does, so that the write takes long enough to be killed.
+SLOW_WRITE = """
+import sys, torch
+from lumenbridge.cli import save_tokens_atomically
+save_tokens_atomically(sys.argv[1], torch.zeros(200_000_000), {"paths": "[]", "config": "{}"})
+"""
+
+
+def test_a_write_killed_midway_is_cleaned_up_by_the_next_run(tmp_path, two_pngs):
+    out = tmp_path / "tokens.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, str(out)], env=environment())
+
+    def safetensors_temporary():
+        return [p for p in tmp_path.glob(atomic.STAGING_PREFIX + "*/.tmp*")]
+
+    deadline = time.monotonic() + 120
+    while not safetensors_temporary():
+        assert writer.poll() is None, "the write finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    writer.kill()
+    writer.wait()
+    # Everything the killed writer made, safetensors' own temporary file included, is in one staging folder.
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("a.png", "b.png"))
+    assert len(leftovers) == 1 and leftovers[0].startswith(atomic.STAGING_PREFIX)
+
+    assert tokenize(*two_pngs, "--out", out) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png", "tokens.safetensors"]
+
+
+def test_a_staging_folder_in_use_is_not_removed(tmp_path):
+    with atomic.staging_folder(tmp_path) as folder:
+        atomic.remove_abandoned(tmp_path)
+        assert folder.is_dir()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- items 11 and 12: --background and --max-pixels -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("background", "color"), [("black", (0, 0, 0)), ("#123456", (18, 52, 86)), ("mean", (124, 116, 104))]
+)
+def test_transparent_pixels_take_the_background_colour(tmp_path, background, color):
+    hidden = save_image(tmp_path / "hidden-red.png", color=(255, 0, 0, 0), mode="RGBA")
+    plain = save_image(tmp_path / "plain.png", color=color)
+    out = tmp_path / "tokens.safetensors"
+    assert tokenize(hidden, plain, "--out", out, "--background", background) == 0
+    tokens, metadata = read_tokens(out)
+    assert torch.equal(tokens[0], tokens[1])
+    assert json.loads(metadata["preprocess"])["background"] == list(color)
+
+
+def test_a_bad_background_is_a_usage_error(tmp_path, two_pngs, capsys):
+    assert tokenize(*two_pngs, "--out", tmp_path / "t.safetensors", "--background", "nocolour") == 2
+    assert "--background 'nocolour'" in capsys.readouterr().err
+
+
+def test_images_over_max_pixels_are_skipped_and_named(tmp_path, capsys):
+    small = save_image(tmp_path / "small.png", size=(40, 30))
+    large = save_image(tmp_path / "large.png", size=(100, 60))
+    out = tmp_path / "tokens.safetensors"
+    assert tokenize(small, large, "--out", out, "--max-pixels", "5000") == 1
+    assert f"skipped {large}: ImageTooLarge: 100 x 60" in capsys.readouterr().err
+    assert json.loads(read_tokens(out)[1]["paths"]) == [small]
+
+
+def test_max_pixels_must_be_positive(tmp_path, two_pngs):
+    assert tokenize(*two_pngs, "--out", tmp_path / "t.safetensors", "--max-pixels", "0") == 2
+
+
+# --- item 13: the small things ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_output_into_a_closed_pipe_exits_141_quietly(unbuffered):
+    # Like `lumenbridge info | head -1`, with the reader gone before the first write.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    run = subprocess.run(
+        [*COMMAND, "info"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        env=environment(PYTHONUNBUFFERED=unbuffered),
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    os.close(write_end)
+    assert run.returncode == 141, run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr
+    assert "no output was written" not in run.stderr
+
+
+def default_signals():
+    """Runs in a child before exec: a test run started in the background or
+    under nohup ignores SIGINT or SIGHUP, and children would inherit that."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def start_job(command):
+    # A session of its own, interrupted like a terminal interrupts a job: the whole group.
+    return subprocess.Popen(
+        command,
+        env=environment(),
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=default_signals,  # noqa: PLW1509 - no threads here
+    )
+
+
+def interrupt(process):
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    return err.decode()
+
+
+def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
+    for index in range(1000):
+        save_image(tmp_path / f"{index:04}.png", color=(index % 256, 0, 0))
+    out = tmp_path / "tokens.safetensors"
+    process = start_job(
+        [*COMMAND, "tokenize", str(tmp_path), "--out", str(out), *FAST, "--workers", "2", "--batch-size", "4"]
+    )
+    progress = b""
+    while not re.search(rb" [1-9][0-9]*/1000 ", progress):  # the progress bar has moved: images are being tokenized
+        chunk = os.read(process.stderr.fileno(), 4096)
+        assert chunk, progress.decode()
+        progress += chunk
+    err = interrupt(process)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "lumenbridge: interrupted"
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_ctrl_c_while_starting_up_prints_one_line_and_exits_130():
+    process = start_job([*COMMAND, "info"])
+    time.sleep(0.5)  # the interpreter is running and importing torch
+    err = interrupt(process)
+    assert process.returncode == 130, err
+    assert err.strip() == "lumenbridge: interrupted"
+
+
+def test_version(capsys):
+    import lumenbridge
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"lumenbridge {lumenbridge.__version__}"
+
+
+def test_a_bad_image_size_names_the_command_line_flag(tmp_path, two_pngs, capsys):
+    assert (
+        cli.main(["tokenize", *two_pngs, "--out", str(tmp_path / "t.safetensors"), *FAST, "--image-size", "100"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--image-size 100: must be a multiple of the model's total stride 16; try --image-size 96 or 112" in err
+    assert "dynamic_pad" not in err
+
+
+def test_paths_are_stored_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_image(tmp_path / "a.png")
+    assert tokenize("a.png", "--out", "tokens.safetensors") == 0
+    tokens, metadata = read_tokens(tmp_path / "tokens.safetensors")
+    assert json.loads(metadata["paths"]) == [str(tmp_path / "a.png")]
+    model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0)
+    assert tokens.shape == (1, 4, model.embed_dim)

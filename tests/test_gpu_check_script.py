@@ -1,0 +1,70 @@
+"""scripts/gpu_check.sh reports failure through its exit code, and what it
+and the quick start write stays out of git."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+# Stand-ins for the tools the script runs: each exits with the code named by
+# an environment variable (default 0), so a test picks which steps fail.
+STUB = """#!/bin/sh
+case "$*" in
+  *"-m pytest"*) exit "${{RC_TESTS:-0}}" ;;
+  *bench_*) exit "${{RC_BENCH:-0}}" ;;
+esac
+exit "${{RC_{name}:-0}}"
+"""
+
+
+def run_script(tmp_path: Path, **exit_codes: str) -> subprocess.CompletedProcess:
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for program in ("python3", "nvidia-smi", "compute-sanitizer"):
+        (stubs / program).write_text(STUB.format(name=program.replace("-", "_").upper()))
+        (stubs / program).chmod(0o755)
+    if exit_codes.pop("no_sanitizer", None):
+        (stubs / "compute-sanitizer").unlink()
+    env = {
+        **os.environ,
+        **exit_codes,
+        "PATH": f"{stubs}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "OUT": str(tmp_path / "out"),
+    }
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def test_every_step_passing_exits_0(tmp_path):
+    run = run_script(tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "FAILED" not in run.stdout
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [{"RC_TESTS": "1"}, {"no_sanitizer": "1"}, {"RC_BENCH": "1"}, {"RC_NVIDIA_SMI": "9"}],
+    ids=["tests", "sanitizer missing", "benchmarks", "no gpu"],
+)
+def test_any_failing_step_exits_non_zero_after_running_the_rest(tmp_path, failure):
+    run = run_script(tmp_path, **failure)
+    assert run.returncode != 0
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "FAILED" in summary
+    assert "tokenizer-benchmark" in summary  # the last step still ran
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+@pytest.mark.parametrize("path", ["gpu_check_out/summary.txt", "tokens.safetensors"])
+def test_generated_files_are_ignored_by_git(path):
+    run = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False)
+    assert run.returncode == 0, f"{path} is not in .gitignore"

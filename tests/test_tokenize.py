@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,6 +212,24 @@ def test_the_op_refuses_a_gradient(native_ops):
     out = native.tokenize(images, model)
     with pytest.raises(RuntimeError, match="lumenbridge::tokenize has no backward"):
         out.sum().backward()
+
+
+def test_import_registers_every_op_of_a_built_extension(native_ops):
+    """A fresh process that imports torch, then lumenbridge, finds the ops with
+    their fakes: tracing tokenize under FakeTensorMode needs the Python fake."""
+    script = (
+        "import torch, lumenbridge\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "ops = torch.ops.lumenbridge\n"
+        "assert all(hasattr(ops, n) for n in ('tokenize', 'depthwise_conv2d', 'depthwise_conv2d_backward_input'))\n"
+        "with FakeTensorMode():\n"
+        "    d = ops.depthwise_conv2d(torch.empty(1, 4, 8, 8), torch.empty(4, 1, 3, 3), None, 2)\n"
+        "print(tuple(d.shape))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("(1, 4, 4, 4)")
+    assert "compiling" not in run.stderr
 
 
 # ---- the gateway's checks -------------------------------------------------------

@@ -5,6 +5,7 @@ strided depthwise-separable convolutions, on a pure-PyTorch reference or on
 LumenBridge's own kernels behind a C++ operator gateway."""
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -46,3 +47,13 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_SOURCES})
+
+
+# With torch already imported (its cost paid), load a built extension now, so
+# torch.ops.lumenbridge.* and their fakes and autograd formulas are complete
+# right after `import lumenbridge`; a missing build waits for first use or
+# `lumenbridge build`. Without torch, the import stays torch-free (fast CLI).
+if "torch" in sys.modules:
+    from . import extension
+
+    extension.load(build_missing=False)

@@ -274,10 +274,11 @@ def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> 
         raise BuildError(f"{type(error).__name__}: {error}") from error
 
 
-def compile_library(library: Library, verbose: bool = False) -> tuple[Path, bool]:
+def compile_library(library: Library, verbose: bool = False, build_missing: bool = True) -> tuple[Path, bool] | None:
     """Load library from its cached build, compiling it first if there is
-    none; return the shared library's path and whether it was compiled now.
-    Raises BuildError if it cannot be built or loaded."""
+    none (or returning None, without `build_missing`); return the shared
+    library's path and whether it was compiled now. Raises BuildError if it
+    cannot be built or loaded."""
     toolchain = _toolchain(library)
     folder = _build_root() / f"{library.name}_{_digest(library, toolchain)}"
     path = folder / f"{library.name}.so"
@@ -285,6 +286,8 @@ def compile_library(library: Library, verbose: bool = False) -> tuple[Path, bool
     def complete() -> bool:
         return (folder / COMPLETE_MARKER).exists() and path.exists()
 
+    if not complete() and not build_missing:
+        return None
     if not complete():
         try:
             with _exclusive(folder.with_name(folder.name + ".lock")):
@@ -318,10 +321,18 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
     )
 
 
-def _build(verbose: bool) -> BuildReport:
+def _build(verbose: bool, build_missing: bool = True) -> BuildReport | None:
     with_cuda = _cuda_toolkit_usable()
     started = time.perf_counter()
-    path, compiled = compile_library(_lumenbridge_library(with_cuda), verbose=verbose)
+    result = compile_library(_lumenbridge_library(with_cuda), verbose=verbose, build_missing=build_missing)
+    if result is None:
+        return None
+    path, compiled = result
+    # The ops' Python halves (fakes, autograd) belong to the library: register
+    # them as soon as it is loaded, so torch.ops.lumenbridge is complete.
+    from . import native
+
+    native.register_python_kernels()
     return BuildReport(
         library=str(path),
         with_cuda=with_cuda,
@@ -343,14 +354,15 @@ def build(verbose: bool = True) -> BuildReport:
     return _state
 
 
-def load() -> bool:
-    """Load the extension, building it if needed; False if that fails. The
-    failure is remembered, not retried; dispatch logs it once when it falls
-    back to the reference, and `lumenbridge build` shows it in full."""
+def load(build_missing: bool = True) -> bool:
+    """Load the extension, building it if needed (only if already built,
+    without `build_missing`); False if that fails. A failure is remembered,
+    not retried; dispatch logs it once when it falls back to the reference,
+    and `lumenbridge build` shows it in full."""
     global _state
     if _state is None:
         try:
-            _state = _build(verbose=False)
+            _state = _build(verbose=False, build_missing=build_missing)
         except BuildError as error:
             _state = error
     return isinstance(_state, BuildReport)

@@ -140,8 +140,16 @@ def _backward_weight_backward(ctx, grad_grad_weight, grad_grad_bias):
     return d_grad_output, d_input, None, None
 
 
-def _register_python_kernels() -> None:
-    # torch.library needs the ops to exist, so this runs after the library loads.
+_registered = False
+
+
+def register_python_kernels() -> None:
+    """Fakes and autograd formulas of every op; extension.py calls this right
+    after it loads the library (torch.library needs the ops to exist)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
     for name, fake, backward, setup in (
         ("depthwise_conv2d", _depthwise_conv2d_fake, _forward_backward, _forward_setup),
         (
@@ -165,18 +173,9 @@ def _register_python_kernels() -> None:
     )
 
 
-_registered = False
-
-
 def ready() -> bool:
-    """Load the extension and register its Python kernels once; False if unavailable."""
-    global _registered
-    if not extension.load():
-        return False
-    if not _registered:
-        _register_python_kernels()
-        _registered = True
-    return True
+    """Load the extension (building it if needed) with its Python kernels; False if unavailable."""
+    return extension.load()
 
 
 def depthwise_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:

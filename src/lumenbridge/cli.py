@@ -21,6 +21,7 @@ import lumenbridge
 from lumenbridge.atomic import write_atomically
 from lumenbridge.dispatch import BACKENDS
 from lumenbridge.images import ImageFileDataset, collate_images, discover_images, resolve_resize, sample_image_paths
+from lumenbridge.packed_files import tokenize_files_packed
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
@@ -221,6 +222,57 @@ def print_summary(result: TokenizeResult, device: torch.device, backend: str, ou
     print(f"wrote {out}")
 
 
+def check_max_tokens(args: argparse.Namespace) -> None:
+    if args.max_tokens is None:
+        return
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.image_size is not None or args.resize is not None:
+        raise UsageError(
+            "--max-tokens keeps each image's aspect ratio, uncropped; it cannot go with --image-size or --resize"
+        )
+
+
+def run_tokenize_packed(
+    args: argparse.Namespace,
+    model: lumenbridge.VisualTokenizer,
+    paths: list[str],
+    device: torch.device,
+    backend: str,
+    weights: str,
+) -> int:
+    """tokenize --max-tokens: native-resolution tokens, packed, with cu_seqlens and grid_hw."""
+    result = tokenize_files_packed(
+        model,
+        paths,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        dtype=TOKEN_DTYPES[args.dtype],
+        on_failure=report_skipped,
+    )
+    if result.tokens is None:
+        print(f"lumenbridge: error: none of the {len(paths)} images could be read; no output written", file=sys.stderr)
+        return EXIT_USAGE
+    tensors = {"tokens": result.tokens, "cu_seqlens": result.cu_seqlens, "grid_hw": result.grid_hw}
+    metadata = {
+        "paths": json.dumps(result.paths),
+        "config": model.config.to_json(),
+        "weights": weights,
+        "preprocess": json.dumps({"max_tokens": args.max_tokens}),
+    }
+    try:
+        write_atomically(args.out, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=metadata))
+    except (OSError, safetensors.SafetensorError) as error:
+        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print_summary(result, device, backend, args.out)
+    if result.failures:
+        print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
+        return EXIT_SOME_SKIPPED
+    return EXIT_OK
+
+
 def run_tokenize(args: argparse.Namespace) -> int:
     try:
         if args.batch_size < 1:
@@ -229,6 +281,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
             raise UsageError(f"--workers must be zero or more, got {args.workers}")
         if args.weights is not None and (args.preset is not None or args.seed is not None):
             raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
+        check_max_tokens(args)
         check_output_path(args.out)
         paths = input_paths(args.paths)
         device = resolve_device(args.device)
@@ -240,6 +293,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     model = model.to(device).eval()
+    if args.max_tokens is not None:
+        return run_tokenize_packed(args, model, paths, device, backend, weights)
     result = tokenize_files(
         model,
         paths,
@@ -336,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--seed", type=int, help="initialization seed used without --weights (default: 0)")
     tokenize.add_argument("--image-size", type=int, help="side of the square crop (default: the model's image_size)")
     tokenize.add_argument("--resize", type=int, help="shorter side before cropping (default: image size * 256/224)")
+    tokenize.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="native resolution: resize each image, keeping its aspect ratio and uncropped, to at most N tokens, "
+        "and write packed 'tokens' [sum of N_i, D] with 'cu_seqlens' and 'grid_hw'",
+    )
     tokenize.add_argument("--batch-size", type=int, default=32, help="images per batch (default: 32)")
     tokenize.add_argument(
         "--workers",

@@ -31,6 +31,7 @@ from lumenbridge.images import (
     resolve_resize,
     sample_image_paths,
 )
+from lumenbridge.packed_files import tokenize_files_packed
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
@@ -134,11 +135,10 @@ def tokenize_files(
     return TokenizeResult(tokens, kept, failures, seconds)
 
 
-def save_tokens_atomically(path: str, tokens: torch.Tensor, metadata: dict[str, str]) -> None:
-    """Writes the tokens file so that `path` only ever holds a complete file."""
-    write_atomically(
-        path, lambda temporary: safetensors.torch.save_file({"tokens": tokens}, temporary, metadata=metadata)
-    )
+def save_tokens_atomically(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Writes the tokens file (tensor "tokens", and for packed output its
+    "cu_seqlens" and "grid_hw") so that `path` only ever holds a complete file."""
+    write_atomically(path, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=metadata))
 
 
 def best_device() -> torch.device:
@@ -190,11 +190,12 @@ def load_model(args: argparse.Namespace) -> tuple[lumenbridge.VisualTokenizer, s
 
 
 def is_tokens_file(path: str) -> bool:
-    """Whether path holds what `tokenize` writes: a safetensors file with the
-    one tensor 'tokens' and its 'paths' and 'config' metadata."""
+    """Whether path holds what `tokenize` writes: a safetensors file with a
+    tensor 'tokens' (packed output adds 'cu_seqlens' and 'grid_hw') and its
+    'paths' and 'config' metadata."""
     try:
         with safetensors.safe_open(path, framework="pt") as file:
-            return list(file.keys()) == ["tokens"] and {"paths", "config"} <= set(file.metadata() or {})
+            return "tokens" in file.keys() and {"paths", "config"} <= set(file.metadata() or {})
     except (OSError, safetensors.SafetensorError):
         return False
 
@@ -288,6 +289,62 @@ def print_summary(result: TokenizeResult, device: torch.device, backend: str, ou
     print(f"wrote {out}")
 
 
+def check_max_tokens(args: argparse.Namespace) -> None:
+    if args.max_tokens is None:
+        return
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.image_size is not None or args.resize is not None:
+        raise UsageError(
+            "--max-tokens keeps each image's aspect ratio, uncropped; it cannot go with --image-size or --resize"
+        )
+
+
+def run_tokenize_packed(
+    args: argparse.Namespace,
+    model: lumenbridge.VisualTokenizer,
+    paths: list[str],
+    device: torch.device,
+    backend: str,
+    weights: str,
+    background: tuple[int, int, int],
+) -> int:
+    """tokenize --max-tokens: native-resolution tokens, packed, with cu_seqlens and grid_hw."""
+    result = tokenize_files_packed(
+        model,
+        paths,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        dtype=TOKEN_DTYPES[args.dtype],
+        max_pixels=args.max_pixels,
+        background=background,
+        on_failure=report_skipped,
+    )
+    if result.tokens is None:
+        print(f"lumenbridge: error: none of the {len(paths)} images could be read; no output written", file=sys.stderr)
+        return EXIT_USAGE
+    tensors = {"tokens": result.tokens, "cu_seqlens": result.cu_seqlens, "grid_hw": result.grid_hw}
+    metadata = {
+        "paths": json.dumps([os.path.abspath(path) for path in result.paths]),
+        "config": model.config.to_json(),
+        "weights": weights,
+        "preprocess": json.dumps(
+            {"max_tokens": args.max_tokens, "background": background, "max_pixels": args.max_pixels}
+        ),
+    }
+    try:
+        save_tokens_atomically(args.out, tensors, metadata)
+    except (OSError, safetensors.SafetensorError) as error:
+        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print_summary(result, device, backend, args.out)
+    if result.failures:
+        print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
+        return EXIT_SOME_SKIPPED
+    return EXIT_OK
+
+
 def run_tokenize(args: argparse.Namespace) -> int:
     try:
         if args.batch_size < 1:
@@ -298,6 +355,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
             raise UsageError(f"--max-pixels must be positive, got {args.max_pixels}")
         if args.weights is not None and (args.preset is not None or args.seed is not None):
             raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
+        check_max_tokens(args)
         paths = input_paths(args.paths)
         check_output_path(args.out, paths, args.overwrite)
         device = resolve_device(args.device)
@@ -310,6 +368,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     model = model.to(device).eval()
+    if args.max_tokens is not None:
+        return run_tokenize_packed(args, model, paths, device, backend, weights, background)
     result = tokenize_files(
         model,
         paths,
@@ -335,7 +395,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         ),
     }
     try:
-        save_tokens_atomically(args.out, result.tokens, metadata)
+        save_tokens_atomically(args.out, {"tokens": result.tokens}, metadata)
     except (OSError, safetensors.SafetensorError) as error:
         print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -428,6 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COLOR",
         help="colour that transparent pixels are composited onto: a name, #rrggbb, or 'mean' for the model's "
         "normalization mean (default: white)",
+    )
+    tokenize.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="native resolution: resize each image, keeping its aspect ratio and uncropped, to at most N tokens, "
+        "and write packed 'tokens' [sum of N_i, D] with 'cu_seqlens' and 'grid_hw'",
     )
     tokenize.add_argument("--batch-size", type=int, default=32, help="images per batch (default: 32)")
     tokenize.add_argument(

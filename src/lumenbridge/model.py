@@ -214,3 +214,12 @@ class VisualTokenizer(nn.Module):
         model = cls(config, **kwargs)
         checkpoint.load_weights(model, directory)
         return model
+
+    def forward_packed(self, images: list[torch.Tensor]):
+        """Tokenize images of different sizes ([C, H, W] each) into one packed
+        sequence: a packing.PackedTokens with the tokens [sum of N_i, D],
+        cu_seqlens, grid_hw and 2-D positions. Each image's tokens equal its
+        own forward; images of equal size run as one batch."""
+        from .packing import pack  # here, so that packing's whole footprint in this file is this method
+
+        return pack(self, images)

@@ -1,0 +1,158 @@
+"""LumenBridge in Hugging Face transformers.
+
+- LumenBridgeVisionConfig / LumenBridgeVisionModel: the tokenizer as a
+  PreTrainedModel (model_type "lumenbridge"), registered with AutoConfig and
+  AutoModel when this module is imported; save_pretrained writes config.json
+  and model.safetensors.
+- replace_patch_embedding: a LumenBridge tokenizer in place of the patch
+  embedding of a CLIPVisionModel or SiglipVisionModel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.models.clip.modeling_clip import CLIPVisionEmbeddings, CLIPVisionModel
+from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings, SiglipVisionModel
+
+from ..config import TokenizerConfig
+from ..model import VisualTokenizer
+from . import tokenizer_config
+
+# The architecture fields; the model always emits [B, N, D], so output_fmt is not one.
+ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(TokenizerConfig) if f.name != "output_fmt")
+
+
+class LumenBridgeVisionConfig(PretrainedConfig):
+    """A TokenizerConfig's fields (all but output_fmt) as a Hugging Face config.
+
+    LumenBridgeVisionConfig(embed_dim=384, stage_widths=[48, 96, 192, 384]) or
+    LumenBridgeVisionConfig.from_tokenizer_config(TokenizerConfig.preset("lumenbridge-small")).
+    """
+
+    model_type = "lumenbridge"
+    attribute_map: ClassVar[dict[str, str]] = {"hidden_size": "embed_dim", "num_channels": "in_chans"}
+
+    def __init__(self, **kwargs):
+        defaults = TokenizerConfig().to_dict()
+        fields = {name: kwargs.pop(name, defaults[name]) for name in ARCHITECTURE_FIELDS}
+        TokenizerConfig(**fields)  # validates every field, naming the bad one
+        # Lists, as config.json will hold them, so a loaded config equals the saved one.
+        fields = {name: list(value) if isinstance(value, tuple) else value for name, value in fields.items()}
+        for name, value in fields.items():
+            setattr(self, name, value)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_tokenizer_config(cls, config: TokenizerConfig, **kwargs) -> LumenBridgeVisionConfig:
+        return cls(**{name: getattr(config, name) for name in ARCHITECTURE_FIELDS}, **kwargs)
+
+    @property
+    def tokenizer_config(self) -> TokenizerConfig:
+        return TokenizerConfig(**{name: getattr(self, name) for name in ARCHITECTURE_FIELDS})
+
+
+class LumenBridgeVisionModel(PreTrainedModel):
+    """pixel_values [B, C, H, W] in, BaseModelOutput with last_hidden_state [B, N, D] out."""
+
+    config_class = LumenBridgeVisionConfig
+    base_model_prefix = "lumenbridge"
+    main_input_name = "pixel_values"
+
+    def __init__(self, config: LumenBridgeVisionConfig):
+        super().__init__(config)
+        self.tokenizer = VisualTokenizer(config.tokenizer_config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Keep each layer's PyTorch initialization (what the tokenizer is designed to train
+        # from) rather than transformers' generic normal(0, 0.02); only the normalization
+        # buffers, which are not in the checkpoint, are (re)computed here.
+        if isinstance(module, VisualTokenizer):
+            module.pixel_mean.copy_(255.0 * torch.tensor(module.config.mean).view(1, -1, 1, 1))
+            module.pixel_std.copy_(255.0 * torch.tensor(module.config.std).view(1, -1, 1, 1))
+
+    def forward(self, pixel_values: torch.Tensor) -> BaseModelOutput:
+        return BaseModelOutput(last_hidden_state=self.tokenizer(pixel_values))
+
+
+AutoConfig.register(LumenBridgeVisionConfig.model_type, LumenBridgeVisionConfig, exist_ok=True)
+AutoModel.register(LumenBridgeVisionConfig, LumenBridgeVisionModel, exist_ok=True)
+
+
+class LumenBridgePatchEmbedding(nn.Module):
+    """Stands where CLIP and SigLIP keep their patch Conv2d: [B, C, H, W] to [B, D, H/s, W/s]."""
+
+    def __init__(self, tokenizer: VisualTokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A parameter of the tokenizer: the vision embeddings read patch_embedding.weight.dtype to cast the pixels."""
+        return self.tokenizer.stages[0].dw.weight
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.tokenizer(pixel_values)
+
+
+def _vision_embeddings(vision_model: nn.Module) -> CLIPVisionEmbeddings | SiglipVisionEmbeddings:
+    if not isinstance(vision_model, (CLIPVisionModel, SiglipVisionModel)):
+        raise TypeError(
+            f"replace_patch_embedding takes a CLIPVisionModel or SiglipVisionModel, got {type(vision_model).__name__}"
+        )
+    # transformers 4 keeps the embeddings in an inner vision_model, transformers 5 on the model itself.
+    return getattr(vision_model, "vision_model", vision_model).embeddings
+
+
+def _resize_position_embedding(embeddings: CLIPVisionEmbeddings | SiglipVisionEmbeddings, grid: int) -> None:
+    """Resample the square grid of position embeddings to grid x grid (bicubic, as transformers'
+    own interpolate_pos_encoding does), keeping CLIP's class-token position as it is."""
+    weight = embeddings.position_embedding.weight.detach()
+    prefix = embeddings.num_positions - embeddings.num_patches  # 1 (class token) for CLIP, 0 for SigLIP
+    old = round(embeddings.num_patches**0.5)
+    patch_positions = weight[prefix:].reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    patch_positions = F.interpolate(patch_positions.float(), size=(grid, grid), mode="bicubic", align_corners=False)
+    patch_positions = patch_positions.to(weight.dtype).permute(0, 2, 3, 1).reshape(grid * grid, -1)
+    embeddings.position_embedding = nn.Embedding.from_pretrained(
+        torch.cat((weight[:prefix], patch_positions)), freeze=False
+    )
+    embeddings.num_patches = grid * grid
+    embeddings.num_positions = grid * grid + prefix
+    embeddings.position_ids = torch.arange(embeddings.num_positions, device=weight.device).expand((1, -1))
+
+
+def replace_patch_embedding(
+    vision_model: nn.Module, config: TokenizerConfig | str | None = None, *, backend: str | None = None
+) -> nn.Module:
+    """Put a LumenBridge tokenizer in place of the patch embedding of a CLIPVisionModel
+    or SiglipVisionModel, in place, and return the model.
+
+    config: a TokenizerConfig or preset name whose embed_dim is the model's hidden_size
+    (default: the presets' shape at that width). Where the tokenizer's total stride
+    differs from the model's patch_size, the position embeddings are resampled to the
+    new token grid and config.patch_size becomes the stride, so the token count, the
+    position embeddings and interpolate_pos_encoding stay consistent.
+    """
+    embeddings = _vision_embeddings(vision_model)
+    config = tokenizer_config(config, embeddings.embed_dim, embeddings.patch_embedding.in_channels)
+    stride = config.total_stride
+    if embeddings.image_size % stride:
+        raise ValueError(
+            f"the model's image_size {embeddings.image_size} is not a multiple of the tokenizer's total stride {stride}"
+        )
+    old_weight = embeddings.patch_embedding.weight
+    tokenizer = VisualTokenizer(dataclasses.replace(config, output_fmt="NCHW"), backend=backend)
+    embeddings.patch_embedding = LumenBridgePatchEmbedding(tokenizer.to(old_weight.device, old_weight.dtype))
+    grid = embeddings.image_size // stride
+    if grid * grid != embeddings.num_patches:
+        _resize_position_embedding(embeddings, grid)
+    embeddings.patch_size = stride
+    vision_model.config.patch_size = stride
+    return vision_model

@@ -195,7 +195,8 @@ def is_tokens_file(path: str) -> bool:
     'paths' and 'config' metadata."""
     try:
         with safetensors.safe_open(path, framework="pt") as file:
-            return "tokens" in file.keys() and {"paths", "config"} <= set(file.metadata() or {})
+            names = file.keys()  # safe_open's method, not a dict's
+            return "tokens" in names and {"paths", "config"} <= set(file.metadata() or {})
     except (OSError, safetensors.SafetensorError):
         return False
 

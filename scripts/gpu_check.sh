@@ -8,6 +8,7 @@
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_ARGS goes to
 #   sanitize_kernels.py (--fused-only); BENCHES picks benchmarks (default:
 #   depthwise tokenizer fused); FUSED_BENCH_ARGS goes to bench_fused.py (--quick).
+#   STEP_TIMEOUT caps each step in seconds (default: none).
 # Exits 0 only if every step passed; otherwise 1, after running the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ status=0
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail
   local name=$1; shift
   local started=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-22s %s (%ds)' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc")" $((SECONDS - started)))")
   [ $rc -eq 0 ] || status=1

@@ -52,8 +52,10 @@ struct TokenizeProblem {
 };
 
 // The tokenizer composed from per-layer kernels: `depthwise` is the device's
-// depthwise forward entry point, everything else is ATen. The reference
-// semantics, shared by the CPU and by CUDA problems the fused kernels do not cover.
+// depthwise forward entry point for NCHW problems (NHWC ones use ATen's
+// depthwise convolution, which measured faster there), everything else is
+// ATen. The reference semantics, shared by the CPU and by CUDA problems the
+// fused kernels do not cover.
 using DepthwiseEntry = at::Tensor (*)(const at::Tensor&, const at::Tensor&,
                                       const c10::optional<at::Tensor>&, const DepthwiseProblem&);
 at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,

@@ -47,6 +47,14 @@ at::Tensor stage_norm(const at::Tensor& x, const TokenizeStage& stage, const Tok
   return x;
 }
 
+// cuDNN's / oneDNN's depthwise convolution: faster than LumenBridge's NHWC
+// kernels on the tokenizer's stages (benchmarks/RESULTS.md), so channels-last
+// problems compose with it.
+at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
+  return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
+}
+
 // Dense NCHW or NHWC, whichever the depthwise kernels read for this layout.
 at::Tensor dense(const at::Tensor& x, Layout layout) {
   return x.contiguous(layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
@@ -81,7 +89,8 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
     dw.Ho = stage.out_h;
     dw.Wo = stage.out_w;
     dw.layout = p.layout;
-    x = depthwise(dense(x, p.layout), stage.dw_weight, stage.dw_bias, dw);
+    const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
+    x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, dw);
     x = stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
     if (i + 1 < p.stages.size()) x = activate(x, p.activation);
     h = stage.out_h;

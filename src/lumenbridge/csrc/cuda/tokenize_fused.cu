@@ -520,8 +520,8 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
                                      const std::vector<int64_t>& strides, StageNorm norm) {
   using namespace fused;
   if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return "the fused kernels run float16 and bfloat16; " + text(dtype) +
-           " composes the depthwise kernels with cuDNN";
+    return "the fused kernels run float16 and bfloat16; other dtypes compose the depthwise "
+           "convolutions (LumenBridge's for NCHW, cuDNN's for channels-last) with cuDNN";
   }
   if (widths.size() < 2) return "the fused kernels need at least two stages";
   if (in_channels > kMaxImageChannels) {

@@ -10,6 +10,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, cli
+from lumenbridge.images import DEFAULT_MAX_PIXELS, WHITE
 from lumenbridge.packed_files import load_image_in_budget, tokenize_files_packed
 
 SMALL = "lumenbridge-small"
@@ -50,7 +51,8 @@ def test_max_tokens_writes_packed_tokens_with_their_layout(tmp_path, photos, cap
     assert tensors["cu_seqlens"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
     assert tensors["tokens"].shape == (sum(lengths), 384)
     assert json.loads(metadata["paths"]) == photos
-    assert json.loads(metadata["preprocess"]) == {"max_tokens": 24}
+    preprocess = {"max_tokens": 24, "background": list(WHITE), "max_pixels": DEFAULT_MAX_PIXELS}
+    assert json.loads(metadata["preprocess"]) == preprocess
 
     # Each image's rows are its own forward on the budget-resized pixels.
     model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0).eval()

@@ -149,7 +149,7 @@ def test_an_unwritable_output_folder_fails_before_any_image_is_decoded(
 SLOW_WRITE = """
 import sys, torch
 from lumenbridge.cli import save_tokens_atomically
-save_tokens_atomically(sys.argv[1], torch.zeros(200_000_000), {"paths": "[]", "config": "{}"})
+save_tokens_atomically(sys.argv[1], {"tokens": torch.zeros(200_000_000)}, {"paths": "[]", "config": "{}"})
 """
 
 

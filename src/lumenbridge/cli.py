@@ -301,6 +301,33 @@ def check_max_tokens(args: argparse.Namespace) -> None:
         )
 
 
+def write_result(args, model, result, weights: str, preprocess: dict, device, backend: str, total: int) -> int:
+    """The end of every tokenize run: write the tokens file (packed results
+    add cu_seqlens and grid_hw), print the summary, choose the exit code."""
+    if result.tokens is None:
+        print(f"lumenbridge: error: none of the {total} images could be read; no output written", file=sys.stderr)
+        return EXIT_USAGE
+    tensors = {"tokens": result.tokens}
+    if getattr(result, "cu_seqlens", None) is not None:
+        tensors.update(cu_seqlens=result.cu_seqlens, grid_hw=result.grid_hw)
+    metadata = {
+        "paths": json.dumps([os.path.abspath(path) for path in result.paths]),
+        "config": model.config.to_json(),
+        "weights": weights,
+        "preprocess": json.dumps(preprocess),
+    }
+    try:
+        save_tokens_atomically(args.out, tensors, metadata)
+    except (OSError, safetensors.SafetensorError) as error:
+        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print_summary(result, device, backend, args.out)
+    if result.failures:
+        print(f"skipped {len(result.failures)} of {total} images that could not be read", file=sys.stderr)
+        return EXIT_SOME_SKIPPED
+    return EXIT_OK
+
+
 def run_tokenize_packed(
     args: argparse.Namespace,
     model: lumenbridge.VisualTokenizer,
@@ -322,28 +349,8 @@ def run_tokenize_packed(
         background=background,
         on_failure=report_skipped,
     )
-    if result.tokens is None:
-        print(f"lumenbridge: error: none of the {len(paths)} images could be read; no output written", file=sys.stderr)
-        return EXIT_USAGE
-    tensors = {"tokens": result.tokens, "cu_seqlens": result.cu_seqlens, "grid_hw": result.grid_hw}
-    metadata = {
-        "paths": json.dumps([os.path.abspath(path) for path in result.paths]),
-        "config": model.config.to_json(),
-        "weights": weights,
-        "preprocess": json.dumps(
-            {"max_tokens": args.max_tokens, "background": background, "max_pixels": args.max_pixels}
-        ),
-    }
-    try:
-        save_tokens_atomically(args.out, tensors, metadata)
-    except (OSError, safetensors.SafetensorError) as error:
-        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    print_summary(result, device, backend, args.out)
-    if result.failures:
-        print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
-        return EXIT_SOME_SKIPPED
-    return EXIT_OK
+    preprocess = {"max_tokens": args.max_tokens, "background": background, "max_pixels": args.max_pixels}
+    return write_result(args, model, result, weights, preprocess, device, backend, len(paths))
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
@@ -383,28 +390,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         background=background,
         on_failure=report_skipped,
     )
-    if result.tokens is None:
-        print(f"lumenbridge: error: none of the {len(paths)} images could be read; no output written", file=sys.stderr)
-        return EXIT_USAGE
-
-    metadata = {
-        "paths": json.dumps([os.path.abspath(path) for path in result.paths]),
-        "config": model.config.to_json(),
-        "weights": weights,
-        "preprocess": json.dumps(
-            {"image_size": image_size, "resize": resize, "background": background, "max_pixels": args.max_pixels}
-        ),
-    }
-    try:
-        save_tokens_atomically(args.out, {"tokens": result.tokens}, metadata)
-    except (OSError, safetensors.SafetensorError) as error:
-        print(f"lumenbridge: error: cannot write {args.out}: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    print_summary(result, device, backend, args.out)
-    if result.failures:
-        print(f"skipped {len(result.failures)} of {len(paths)} images that could not be read", file=sys.stderr)
-        return EXIT_SOME_SKIPPED
-    return EXIT_OK
+    preprocess = {"image_size": image_size, "resize": resize, "background": background, "max_pixels": args.max_pixels}
+    return write_result(args, model, result, weights, preprocess, device, backend, len(paths))
 
 
 def visible_devices() -> list[str]:

@@ -28,6 +28,7 @@ from lumenbridge.images import (
     ImageFileDataset,
     collate_images,
     discover_images,
+    read_batches,
     resolve_resize,
     sample_image_paths,
 )
@@ -114,12 +115,8 @@ def tokenize_files(
     kept: list[str] = []
     failures: list[tuple[str, str]] = []
     started = time.perf_counter()
-    with torch.inference_mode(), tqdm(total=len(paths), unit="img", file=sys.stderr, disable=not progress) as bar:
-        for batch in loader:
-            for index, reason in batch.failures:
-                failures.append((paths[index], reason))
-                if on_failure is not None:
-                    on_failure(paths[index], reason)
+    with torch.inference_mode():
+        for batch in read_batches(loader, paths, failures, on_failure, progress):
             if batch.pixels is not None:
                 output = model(batch.pixels.to(device, non_blocking=True)).to(dtype)
                 if tokens is None:
@@ -128,7 +125,6 @@ def tokenize_files(
                     tokens = torch.empty((len(paths), *output.shape[1:]), dtype=dtype)
                 tokens[len(kept) : len(kept) + len(output)].copy_(output)
                 kept.extend(paths[index] for index in batch.indices)
-            bar.update(len(batch.indices) + len(batch.failures))
     seconds = time.perf_counter() - started
     if tokens is not None:
         tokens = tokens[: len(kept)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.resources
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image, ImageMath, ImageOps
+from tqdm import tqdm
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
@@ -266,12 +268,30 @@ class ImageBatch(NamedTuple):
     failures: list[tuple[int, str]]
 
 
-class ImageFileDataset(torch.utils.data.Dataset):
-    """Preprocessed images from a list of files; a bad file becomes an error item, not an exception.
+class FileDataset(torch.utils.data.Dataset):
+    """Images decoded from a list of files by `load(path)`; a bad file becomes
+    an error item, not an exception, so one corrupt file among millions does
+    not stop a DataLoader."""
 
-    Errors are returned rather than raised so one corrupt file among millions
-    does not stop a DataLoader.
-    """
+    def __init__(self, paths: Sequence[str]):
+        self.paths = list(paths)
+
+    def load(self, path: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> LoadedImage:
+        try:
+            pixels = self.load(self.paths[index])
+        except IMAGE_READ_ERRORS as error:
+            return LoadedImage(index, None, f"{type(error).__name__}: {error}")
+        return LoadedImage(index, pixels, None)
+
+
+class ImageFileDataset(FileDataset):
+    """Images resized and center-cropped to image_size."""
 
     def __init__(
         self,
@@ -282,24 +302,29 @@ class ImageFileDataset(torch.utils.data.Dataset):
         max_pixels: int = DEFAULT_MAX_PIXELS,
         background: tuple[int, int, int] = WHITE,
     ):
-        self.paths = list(paths)
+        super().__init__(paths)
         self.image_size = image_size
         # Checked here, not per item, where the error would read as an unreadable image.
         self.resize = resolve_resize(image_size, resize)
         self.max_pixels = max_pixels
         self.background = background
 
-    def __len__(self) -> int:
-        return len(self.paths)
+    def load(self, path: str) -> torch.Tensor:
+        return load_image(path, self.image_size, self.resize, max_pixels=self.max_pixels, background=self.background)
 
-    def __getitem__(self, index: int) -> LoadedImage:
-        try:
-            pixels = load_image(
-                self.paths[index], self.image_size, self.resize, max_pixels=self.max_pixels, background=self.background
-            )
-        except IMAGE_READ_ERRORS as error:
-            return LoadedImage(index, None, f"{type(error).__name__}: {error}")
-        return LoadedImage(index, pixels, None)
+
+def read_batches(loader, paths: Sequence[str], failures: list, on_failure, progress: bool):
+    """The loader's batches in order, with one progress bar over `paths`; each
+    unreadable image goes into `failures` as (path, reason), and to
+    on_failure(path, reason) when given, as it is found."""
+    with tqdm(total=len(paths), unit="img", file=sys.stderr, disable=not progress) as bar:
+        for batch in loader:
+            for index, reason in batch.failures:
+                failures.append((paths[index], reason))
+                if on_failure is not None:
+                    on_failure(paths[index], reason)
+            yield batch
+            bar.update(len(batch.indices) + len(batch.failures))
 
 
 def collate_images(items: Sequence[LoadedImage]) -> ImageBatch:

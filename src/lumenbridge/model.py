@@ -12,6 +12,7 @@ from . import checkpoint, ops
 from .config import TokenizerConfig
 from .dispatch import select_backend
 from .layout import is_channels_last, memory_format_of
+from .shapes import grid_extent
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Of every LayerNorm (stage and token norms): nn.LayerNorm's default.
@@ -113,12 +114,8 @@ class VisualTokenizer(nn.Module):
         """The token grid (rows, columns) for an input of height x width."""
         for extent in (height, width):
             self._check_extent(extent)
-        if self.dynamic_pad:
-            height, width = (self._padded(height), self._padded(width))
-        for stride in self.config.strides:
-            # Padding K // 2 with odd K: each stage maps n to ceil(n / stride).
-            height, width = -(-height // stride), -(-width // stride)
-        return height, width
+        cfg = self.config
+        return tuple(grid_extent(extent, cfg.kernel_size, cfg.strides) for extent in self.padded_size(height, width))
 
     def padded_size(self, height: int, width: int) -> tuple[int, int]:
         """The input extents after dynamic padding (unchanged without it)."""

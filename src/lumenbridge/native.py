@@ -9,19 +9,15 @@ import torch
 
 from . import extension
 from .layout import memory_format_of
+from .shapes import grid_extent, output_extent
 
 ops = torch.ops.lumenbridge
-
-
-def _output_extent(size: int, kernel_size: int, stride: int) -> int:
-    # Mirrors depthwise_output_extent in csrc/gateway.h, for shapes under tracing.
-    return (size + 2 * (kernel_size // 2) - kernel_size) // stride + 1
 
 
 def _depthwise_conv2d_fake(input, weight, bias, stride):
     k = weight.shape[-1]
     n, c, h, w = input.shape
-    shape = (n, c, _output_extent(h, k, stride), _output_extent(w, k, stride))
+    shape = (n, c, output_extent(h, k, stride), output_extent(w, k, stride))
     return input.new_empty(shape).contiguous(memory_format=memory_format_of(input))
 
 
@@ -34,12 +30,6 @@ def _depthwise_conv2d_backward_input_fake(grad_output, weight, stride, input_siz
 def _depthwise_conv2d_backward_weight_fake(grad_output, input, kernel_size, stride):
     c = input.shape[1]
     return input.new_empty((c, 1, kernel_size, kernel_size)), input.new_empty((c,))
-
-
-def _grid(size: int, kernel_size: int, strides) -> int:
-    for stride in strides:
-        size = _output_extent(size, kernel_size, stride)
-    return size
 
 
 def _tokenize_fake(
@@ -63,7 +53,7 @@ def _tokenize_fake(
 ):
     k = dw_weights[0].shape[-1]
     n, d = images.shape[0], pw_weights[-1].shape[0]
-    h, w = (_grid(extent, k, strides) for extent in padded_size)
+    h, w = (grid_extent(extent, k, strides) for extent in padded_size)
     shape = {"NLC": (n, h * w, d), "NHWC": (n, h, w, d), "NCHW": (n, d, h, w)}[output_fmt]
     return dw_weights[0].new_empty(shape)
 
@@ -182,17 +172,16 @@ def depthwise_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return ops.depthwise_conv2d(input, weight, bias, stride)
 
 
-def tokenize(images: torch.Tensor, model) -> torch.Tensor:
-    """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize, with
-    the parameters of `model` (a VisualTokenizer) in their nn layouts."""
+def tokenize_arguments(images: torch.Tensor, model) -> tuple:
+    """The arguments of torch.ops.lumenbridge.tokenize for `model` (a
+    VisualTokenizer) on `images`: its parameters in their nn layouts."""
     cfg = model.config
     stages = model.stages
-    dtype = stages[0].dw.weight.dtype
     if images.dtype != torch.uint8:
-        images = images.to(dtype)
+        images = images.to(stages[0].dw.weight.dtype)
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
     token_norm = model.token_norm if cfg.token_norm else None
-    return ops.tokenize(
+    return (
         images.contiguous(memory_format=memory_format_of(images)),
         [s.dw.weight for s in stages],
         [s.dw.bias for s in stages],
@@ -211,6 +200,11 @@ def tokenize(images: torch.Tensor, model) -> torch.Tensor:
         list(model.padded_size(*images.shape[2:])),
         cfg.output_fmt,
     )
+
+
+def tokenize(images: torch.Tensor, model) -> torch.Tensor:
+    """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize."""
+    return ops.tokenize(*tokenize_arguments(images, model))
 
 
 def _stage_norm_arguments(model) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:

@@ -8,7 +8,6 @@ with cu_seqlens and grid_hw giving each image's share.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,9 +15,8 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
-from .images import DEFAULT_MAX_PIXELS, IMAGE_READ_ERRORS, WHITE, LoadedImage, decode_image, to_tensor
+from .images import DEFAULT_MAX_PIXELS, WHITE, FileDataset, LoadedImage, decode_image, read_batches, to_tensor
 from .model import VisualTokenizer
 from .packing import cumulative_lengths, fit_token_budget
 
@@ -32,27 +30,18 @@ def load_image_in_budget(
     return to_tensor(image.resize((width, height), Image.Resampling.BICUBIC))
 
 
-class TokenBudgetDataset(torch.utils.data.Dataset):
-    """Images from files, each resized into the token budget; a bad file becomes an error item."""
+class TokenBudgetDataset(FileDataset):
+    """Images from files, each resized into the token budget."""
 
     def __init__(self, paths: Sequence[str], stride: int, max_tokens: int, max_pixels: int, background):
-        self.paths = list(paths)
+        super().__init__(paths)
         self.stride = stride
         self.max_tokens = max_tokens
         self.max_pixels = max_pixels
         self.background = background
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> LoadedImage:
-        try:
-            pixels = load_image_in_budget(
-                self.paths[index], self.stride, self.max_tokens, self.max_pixels, self.background
-            )
-        except IMAGE_READ_ERRORS as error:
-            return LoadedImage(index, None, f"{type(error).__name__}: {error}")
-        return LoadedImage(index, pixels, None)
+    def load(self, path: str) -> torch.Tensor:
+        return load_image_in_budget(path, self.stride, self.max_tokens, self.max_pixels, self.background)
 
 
 class ImageList(NamedTuple):
@@ -109,18 +98,13 @@ def tokenize_files_packed(
     kept: list[str] = []
     failures: list[tuple[str, str]] = []
     started = time.perf_counter()
-    with torch.inference_mode(), tqdm(total=len(paths), unit="img", file=sys.stderr, disable=not progress) as bar:
-        for batch in loader:
-            for index, reason in batch.failures:
-                failures.append((paths[index], reason))
-                if on_failure is not None:
-                    on_failure(paths[index], reason)
+    with torch.inference_mode():
+        for batch in read_batches(loader, paths, failures, on_failure, progress):
             if batch.pixels:
                 packed = model.forward_packed([pixels.to(device) for pixels in batch.pixels])
                 pieces.append(packed.tokens.to("cpu", dtype))
                 grids.append(packed.grid_hw.cpu())
                 kept.extend(paths[index] for index in batch.indices)
-            bar.update(len(batch.indices) + len(batch.failures))
     seconds = time.perf_counter() - started
     if not pieces:
         return PackedFilesResult(None, None, None, kept, failures, seconds)

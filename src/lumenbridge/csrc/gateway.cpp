@@ -210,6 +210,12 @@ Enum parse_choice(const std::string& value, const char* what,
   TORCH_CHECK(false, "LumenBridge: ", what, " must be one of ", names, ", got '", value, "'");
 }
 
+StageNorm parse_stage_norm(const std::string& value) {
+  return parse_choice<StageNorm>(
+      value, "stage_norm",
+      {{"none", StageNorm::NONE}, {"layernorm", StageNorm::LAYERNORM}, {"affine", StageNorm::AFFINE}});
+}
+
 void check_vector(const at::Tensor& t, const char* name, int64_t length) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == length, "LumenBridge: ", name, " must have shape [",
               text(length), "], got ", text(t.sizes()));
@@ -309,9 +315,7 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
   p.activation = parse_choice<Activation>(activation, "activation",
                                           {{"gelu", Activation::GELU}, {"relu", Activation::RELU},
                                            {"silu", Activation::SILU}, {"none", Activation::NONE}});
-  p.stage_norm = parse_choice<StageNorm>(
-      stage_norm, "stage_norm",
-      {{"none", StageNorm::NONE}, {"layernorm", StageNorm::LAYERNORM}, {"affine", StageNorm::AFFINE}});
+  p.stage_norm = parse_stage_norm(stage_norm);
   const size_t norms = p.stage_norm == StageNorm::NONE ? 0 : S;
   TORCH_CHECK(norm_weights.size() == norms && norm_biases.size() == norms, "LumenBridge: stage_norm '",
               stage_norm, "' needs ", text(static_cast<int64_t>(norms)),
@@ -373,9 +377,7 @@ at::Tensor tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
 std::string tokenize_path(at::ScalarType dtype, int64_t in_channels, at::IntArrayRef widths,
                           int64_t kernel_size, at::IntArrayRef strides, c10::string_view stage_norm) {
 #ifdef LUMENBRIDGE_WITH_CUDA
-  const StageNorm norm = parse_choice<StageNorm>(
-      std::string(stage_norm), "stage_norm",
-      {{"none", StageNorm::NONE}, {"layernorm", StageNorm::LAYERNORM}, {"affine", StageNorm::AFFINE}});
+  const StageNorm norm = parse_stage_norm(std::string(stage_norm));
   const std::string reason =
       cuda::fused_unsupported_reason(dtype, in_channels, widths.vec(), kernel_size, strides.vec(), norm);
   return reason.empty() ? "fused" : "composed: " + reason;

@@ -4,7 +4,10 @@
 //   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output.
 //                  Stage 2's 8 x 8 output tiles compute the stage-1 outputs they
 //                  need (halo included) straight from the image window, so the
-//                  stage-1 activation never reaches device memory.
+//                  stage-1 activation never reaches device memory: the stage-1
+//                  depthwise in float on CUDA cores, its pointwise step (K = the
+//                  image channels) on the tensor cores as m16n8k8, all stage-1
+//                  channels at once into shared memory.
 //   stage kernel   stage i output -> stage i + 1 output, one per later stage;
 //                  blocks take 64 consecutive output pixels, so no tile is
 //                  partly empty at 28 x 28 or 14 x 14.
@@ -25,6 +28,8 @@ namespace {
 constexpr int kTile = 8;  // first kernel: stage-2 tiles of kTile x kTile pixels
 static_assert(kTile * kTile == kTileRows, "a first-kernel tile is one GEMM block");
 constexpr int kMaxImageChannels = 4;
+// The widest image window of a tile: K = 7 and both strides 2.
+constexpr int kMaxImageWindow = ((kTile - 1) * 2 + 7 - 1) * 2 + 7;
 
 // Fields of one pointwise stage shared by both kernels.
 template <typename T>
@@ -33,7 +38,7 @@ struct StageGemm {
   const T* dw_bias;
   PointwiseWeight<T> pw;
   int k_padded;  // Cin rounded up to kChannelGroup
-  Activation act;
+  ActivationForm act;
   TileOutput<T> output;
 };
 
@@ -64,14 +69,26 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   write_tile<T, Rows>(out_tile, out_stride, s.output, rows);
 }
 
-// Depthwise weights [C, 1, K, K] into shared memory as [K * K][Cp], so a
-// thread's 8 channels of one tap are one 16-byte read; zeros past C.
+// Depthwise weights [C, 1, K, K] and bias into shared memory as float
+// [K * K + 1][Cp], the bias last, so a thread's 8 channels of one tap are two
+// 16-byte reads with no conversion; zeros past C.
 template <typename T, int K>
-__device__ void load_depthwise_taps(T* taps, const T* weight, int channels, int padded) {
-  for (int i = threadIdx.x; i < padded * K * K; i += kThreads) {
-    const int c = i / (K * K), tap = i % (K * K);
-    taps[tap * padded + c] = c < channels ? weight[i] : T(0.0f);
+__device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
+  constexpr int rows = K * K + 1;
+  for (int i = threadIdx.x; i < padded * rows; i += kThreads) {
+    const int c = i / rows, tap = i % rows;
+    const T value = c >= channels ? T(0.0f) : tap < K * K ? weight[c * K * K + tap] : bias[c];
+    taps[tap * padded + c] = static_cast<float>(value);
   }
+}
+
+__device__ __forceinline__ void load_floats8(const float* p, float (&v)[8]) {
+  const float4 lo = *reinterpret_cast<const float4*>(p), hi = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+__host__ __device__ constexpr size_t taps_bytes(int K, int k_padded) {
+  return sizeof(float) * (K * K + 1) * k_padded;
 }
 
 // ---- the stage kernel ----------------------------------------------------------
@@ -94,34 +111,58 @@ struct RowSource {
   int y[kTileRows], x[kTileRows];
 };
 
-// Taps of one kernel row for 8 channels, all loads issued before any is used
-// (out-of-image taps are zero), so a thread keeps K loads in flight.
+// Where one item of the stage kernel reads: its window's top-left tap (which
+// may lie in the padding) for its 8 channels, and which window columns lie
+// inside the image, tested once per item rather than once per tap.
 template <typename T, int K>
-__device__ __forceinline__ void depthwise_row(const T* row, int x0, int W, int Cin, bool vector, int c,
-                                             const T* taps, int Kp, float (&acc)[8]) {
-  uint4 pixel[K];
+struct WindowSource {
+  const T* corner;
+  int y0;
+  bool column_inside[K];
+};
+
+// Depthwise taps for 8 channels of kernel rows i0 .. i0 + Count - 1: every load
+// issued before any is used (out-of-image taps are zero), so a thread keeps
+// Count x K loads in flight.
+template <typename T, int K, int Count>
+__device__ __forceinline__ void depthwise_rows(const WindowSource<T, K>& src, int i0, int H, int64_t row_step, int Cin,
+                                              bool vector, int c, const float* taps, int Kp, float (&acc)[8]) {
+  uint4 pixel[Count][K];
 #pragma unroll
-  for (int j = 0; j < K; ++j) {
-    const bool inside = x0 + j >= 0 && x0 + j < W;
-    const T* src = row + static_cast<int64_t>(x0 + j) * Cin + c;
-    if (vector) {
-      pixel[j] = inside ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-    } else {
-      float v[8];
+  for (int i = 0; i < Count; ++i) {
+    const bool row_inside = src.y0 + i0 + i >= 0 && src.y0 + i0 + i < H;
+    const T* row = src.corner + (i0 + i) * row_step;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = inside && c + e < Cin ? static_cast<float>(src[e]) : 0.0f;
-      pixel[j] = pack8<T>(v);
+    for (int j = 0; j < K; ++j) {
+      const bool inside = row_inside && src.column_inside[j];
+      if (vector) {
+        pixel[i][j] = inside ? __ldg(reinterpret_cast<const uint4*>(row + j * Cin)) : make_uint4(0, 0, 0, 0);
+      } else {
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = inside && c + e < Cin ? static_cast<float>(row[j * Cin + e]) : 0.0f;
+        pixel[i][j] = pack8<T>(v);
+      }
     }
   }
 #pragma unroll
-  for (int j = 0; j < K; ++j) {
-    float v[8], w[8];
-    unpack8<T>(pixel[j], v);
-    unpack8<T>(*reinterpret_cast<const uint4*>(taps + j * Kp + c), w);
+  for (int i = 0; i < Count; ++i) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
+    for (int j = 0; j < K; ++j) {
+      float v[8], w[8];
+      unpack8<T>(pixel[i][j], v);
+      load_floats8(taps + ((i0 + i) * K + j) * Kp + c, w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
+    }
   }
 }
+
+// Kernel rows whose loads a thread keeps in flight together: the whole 3 x 3
+// window, or one row of the larger kernels (whose windows would not fit in
+// registers).
+template <int K>
+constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 
 template <typename T, int K, int Rows>
 __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
@@ -130,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
   __shared__ RowSource sources;
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
-  T* taps = reinterpret_cast<T*>(shared + args.layout.region_offset);
+  float* taps = reinterpret_cast<float*>(shared + args.layout.region_offset);
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * Rows;
@@ -144,24 +185,25 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
     sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
     sources.offset[r] = image * args.H * args.W * Cin;
   }
-  load_depthwise_taps<T, K>(taps, s.dw_weight, Cin, Kp);
+  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, Cin, Kp);
   __syncthreads();
 
   const int groups = Kp / 8;
+  const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
   for (int item = threadIdx.x; item < Rows * groups; item += kThreads) {
     const int r = item / groups, c = (item % groups) * 8;
     float acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = c + e < Cin ? static_cast<float>(s.dw_bias[c + e]) : 0.0f;
+    load_floats8(taps + K * K * Kp + c, acc);
     if (rows.pixel[r] >= 0 && c < Cin) {
-      const T* base = args.input + sources.offset[r];
+      WindowSource<T, K> src;
+      src.y0 = sources.y[r];
+      src.corner = args.input + sources.offset[r] + (static_cast<int64_t>(src.y0) * args.W + sources.x[r]) * Cin + c;
 #pragma unroll
-      for (int i = 0; i < K; ++i) {
-        const int y = sources.y[r] + i;
-        if (y >= 0 && y < args.H) {
-          depthwise_row<T, K>(base + static_cast<int64_t>(y) * args.W * Cin, sources.x[r], args.W, Cin,
-                              args.vector_input, c, taps + i * K * Kp, Kp, acc);
-        }
+      for (int j = 0; j < K; ++j) src.column_inside[j] = sources.x[r] + j >= 0 && sources.x[r] + j < args.W;
+      constexpr int count = kRowsInFlight<K>;
+#pragma unroll
+      for (int i0 = 0; i0 < K; i0 += count) {
+        depthwise_rows<T, K, count>(src, i0, args.H, row_step, Cin, args.vector_input, c, taps, Kp, acc);
       }
     }
     store_a8<T>(a_tile + r * a_stride, c, acc);
@@ -179,8 +221,8 @@ struct FirstArgs {
   bool uint8_input, nhwc;
   int C0, H0, W0;     // images as given; pixels outside are 0 after normalization
   int stride1, stride2;
-  Activation act1;  // after stage 1 (stage 2's GEMM has its own, none when stage 2 is last)
-  float mean[kMaxImageChannels], std[kMaxImageChannels];
+  ActivationForm act1;  // after stage 1 (stage 2's GEMM has its own, none when stage 2 is last)
+  float mean[kMaxImageChannels], inv_std[kMaxImageChannels];
   const T* dw1_weight;
   const T* dw1_bias;
   const T* pw1_weight;  // [C1, C0]
@@ -189,57 +231,135 @@ struct FirstArgs {
   int H2, W2, tiles_y, tiles_x;
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win1_w, win0_h, win0_w;
-  size_t image_offset, d1_offset, s1_offset, taps_offset;  // within the region
+  int s1_stride;
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset;  // within the region
   SharedLayout layout;
 };
 
 // The image window of a tile, normalized, into shared memory as float
-// [C0][win0_h][win0_w]; zero outside the image. Each warp takes rows, lanes
-// take columns, so index math is per row and loads of a row are in flight together.
-template <typename T>
-__device__ void load_image_window(const FirstArgs<T>& a, int64_t n, int y_origin, int x_origin, float* image) {
+// [C0][win0_h][win0_w]; zero outside the image. Warps take rows, lanes take
+// columns; per channel a warp issues the loads of all its rows before storing
+// any, so a block waits for about C0 memory round trips. Offsets step by the
+// layout's strides: no division and no 64-bit multiply per element.
+template <typename In, typename T>
+__device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
+                                  float* image) {
+  constexpr int kColumnsPerLane = 2, kRowsPerWarp = ceil_div(kMaxImageWindow, kWarps);
+  static_assert(kMaxImageWindow <= 32 * kColumnsPerLane, "a lane's columns cover the widest image window");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int row = warp; row < a.C0 * a.win0_h; row += kWarps) {
-    const int c = row / a.win0_h, y = y_origin + row % a.win0_h;
-    const bool row_inside = y >= 0 && y < a.H0;
-    const int64_t row_start = a.nhwc ? ((n * a.H0 + y) * a.W0) * a.C0 + c : ((n * a.C0 + c) * a.H0 + y) * a.W0;
-    const int64_t step = a.nhwc ? a.C0 : 1;
-    for (int col = lane; col < a.win0_w; col += 32) {
-      const int x = x_origin + col;
-      float v = 0.0f;
-      if (row_inside && x >= 0 && x < a.W0) {
-        const int64_t index = row_start + x * step;
-        v = a.uint8_input ? (static_cast<float>(static_cast<const uint8_t*>(a.images)[index]) - a.mean[c]) / a.std[c]
-                          : static_cast<float>(static_cast<const T*>(a.images)[index]);
+  const int64_t x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? int64_t{a.W0} * a.C0 : a.W0;
+  const int64_t c_step = a.nhwc ? 1 : int64_t{a.H0} * a.W0;
+  const In* origin = images + n * a.C0 * a.H0 * a.W0;
+  bool x_inside[kColumnsPerLane];
+  int64_t x_offset[kColumnsPerLane];
+#pragma unroll
+  for (int h = 0; h < kColumnsPerLane; ++h) {
+    const int x = x_origin + lane + 32 * h;
+    x_inside[h] = lane + 32 * h < a.win0_w && x >= 0 && x < a.W0;
+    x_offset[h] = x * x_step;
+  }
+  for (int c = 0; c < a.C0; ++c) {
+    const float mean = a.mean[c], inv_std = a.inv_std[c];
+    float v[kRowsPerWarp][kColumnsPerLane];
+#pragma unroll
+    for (int b = 0; b < kRowsPerWarp; ++b) {
+      const int y = y_origin + warp + b * kWarps;
+      const bool y_inside = warp + b * kWarps < a.win0_h && y >= 0 && y < a.H0;
+      const In* row = origin + c * c_step + y * y_step;
+#pragma unroll
+      for (int h = 0; h < kColumnsPerLane; ++h) {
+        const float raw = y_inside && x_inside[h] ? static_cast<float>(row[x_offset[h]]) : 0.0f;
+        // Normalized after the test, so padding is zero in normalized space.
+        v[b][h] = std::is_same_v<In, uint8_t> && y_inside && x_inside[h] ? (raw - mean) * inv_std : raw;
       }
-      image[row * a.win0_w + col] = v;
+    }
+#pragma unroll
+    for (int b = 0; b < kRowsPerWarp; ++b) {
+      const int y = warp + b * kWarps;
+#pragma unroll
+      for (int h = 0; h < kColumnsPerLane; ++h) {
+        const int x = lane + 32 * h;
+        if (y < a.win0_h && x < a.win0_w) image[(c * a.win0_h + y) * a.win0_w + x] = v[b][h];
+      }
     }
   }
 }
 
-// Stage-1 outputs for the 32 channels of a chunk (lane = channel) over the
-// stage-1 window: pointwise from the depthwise results, the activation, and
-// zero outside the stage-1 extent (stage 2's padding). Warps take rows.
-template <Activation Act, typename T>
-__device__ void fill_stage1(const FirstArgs<T>& a, T* s1, const float4* d1, const float4& w1, float b1, bool real,
-                            int y_origin, int x_origin) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int win1 = a.win1_h * a.win1_w;
-  // Positions warp, warp + 8, ...: balanced over the warps; the row and
-  // column advance by kWarps columns at a time (win1_w >= kWarps).
-  int row = warp / a.win1_w, col = warp % a.win1_w;
-  for (int q = warp; q < win1; q += kWarps) {
-    const int y = y_origin + row, x = x_origin + col;
-    float v = 0.0f;
-    if (real && y >= 0 && y < a.H1 && x >= 0 && x < a.W1) {
-      const float4 d = d1[q];
-      v = activate(fmaf(w1.w, d.w, fmaf(w1.z, d.z, fmaf(w1.y, d.y, fmaf(w1.x, d.x, b1)))), Act);
+// The stage-1 pointwise weight as m16n8k8 B operands, [Kp][8] in T (input
+// channels past C0 and output channels past C1 zero), then its bias in float.
+template <typename T>
+__device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
+  for (int i = threadIdx.x; i < Kp * 8; i += kThreads) {
+    const int n = i / 8, k = i % 8;
+    w1[i] = n < a.C1 && k < a.C0 ? a.pw1_weight[n * a.C0 + k] : T(0.0f);
+  }
+  for (int n = threadIdx.x; n < Kp; n += kThreads) b1[n] = n < a.C1 ? static_cast<float>(a.pw1_bias[n]) : 0.0f;
+}
+
+// Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
+// rounding PyTorch applies between the two convolutions), channels past C0
+// and rows past the window zero: the A operand of the stage-1 pointwise step.
+// `inside` records which window positions lie in the stage-1 extent.
+template <typename T, int K>
+__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, T* d1, bool* inside, int padded_rows,
+                                 int y_origin, int x_origin) {
+  const int win1 = a.win1_h * a.win1_w, win0 = a.win0_h * a.win0_w;
+  for (int q = threadIdx.x; q < padded_rows; q += kThreads) {
+    float out[8] = {};
+    const int y = q / a.win1_w, x = q % a.win1_w;
+    inside[q] = q < win1 && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
+    if (q < win1) {
+#pragma unroll
+      for (int c = 0; c < kMaxImageChannels; ++c) {
+        if (c >= a.C0) continue;
+        const float* src = image + c * win0 + (y * a.stride1) * a.win0_w + x * a.stride1;
+        float acc = static_cast<float>(a.dw1_bias[c]);
+#pragma unroll
+        for (int ky = 0; ky < K; ++ky) {
+#pragma unroll
+          for (int kx = 0; kx < K; ++kx) {
+            acc = fmaf(static_cast<float>(a.dw1_weight[(c * K + ky) * K + kx]), src[ky * a.win0_w + kx], acc);
+          }
+        }
+        out[c] = acc;
+      }
     }
-    s1[q * kChannelGroup + lane] = static_cast<T>(v);
-    col += kWarps;
-    if (col >= a.win1_w) {
-      col -= a.win1_w;
-      ++row;
+    *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
+  }
+}
+
+// Stage-1 outputs over the window, all Kp channels: the pointwise step on
+// the tensor cores (one m16n8k8 per 16 positions and 8 channels), bias,
+// activation, and zero outside the stage-1 extent (stage 2's padding). Warps
+// take (16 positions, 32 channels) items.
+template <typename T>
+__device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
+                                 T* s1, int Kp) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4, quad = lane % 4;
+  const int win1 = a.win1_h * a.win1_w;
+  const int chunks = Kp / kChannelGroup;
+  for (int item = warp; item < ceil_div(win1, 16) * chunks; item += kWarps) {
+    const int q0 = (item / chunks) * 16 + group, q1 = q0 + 8;
+    const int n0 = (item % chunks) * kChannelGroup;
+    const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
+                              *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
+    const bool keep0 = inside[q0], keep1 = inside[q1];
+#pragma unroll
+    for (int j = 0; j < kChannelGroup / 8; ++j) {
+      const int n = n0 + j * 8 + quad * 2;
+      const float2 bias = *reinterpret_cast<const float2*>(b1 + n);
+      float acc[4] = {bias.x, bias.y, bias.x, bias.y};
+      mma_1688<T>(acc, frag, *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2));
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = activate(acc[e], a.act1);
+      if (q0 < win1) {
+        *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = pack2<T>(keep0 ? v[0] : 0.0f, keep0 ? v[1] : 0.0f);
+      }
+      if (q1 < win1) {
+        *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = pack2<T>(keep1 ? v[2] : 0.0f, keep1 ? v[3] : 0.0f);
+      }
     }
   }
 }
@@ -252,9 +372,13 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   unsigned char* region = shared + args.layout.region_offset;
   float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][win0_h][win0_w]
-  float4* d1 = reinterpret_cast<float4*>(region + args.d1_offset);      // [win1_h * win1_w], channels padded to 4
-  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][32]
-  T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp]
+  const int padded_rows = round_up(args.win1_h * args.win1_w, 16);
+  T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
+  bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
+  T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the float bias
+  float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
+  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
+  float* taps = reinterpret_cast<float*>(region + args.taps_offset);    // [K * K + 1][Kp]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
 
@@ -266,103 +390,70 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   constexpr int pad = K / 2;
   const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
   const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;
-  const int win1 = args.win1_h * args.win1_w, win0 = args.win0_h * args.win0_w;
 
   for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
     const int y = ty + r / kTile, x = tx + r % kTile;
     rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
   }
-  load_image_window(args, n, y0_origin, x0_origin, image);
-  load_depthwise_taps<T, K>(taps, s.dw_weight, s.pw.in_channels, Kp);
-  __syncthreads();
-
-  // Stage-1 depthwise outputs over the stage-1 window, kept in float; channels
-  // past C0 are zero, so the pointwise step is four FMAs with no tests.
-  for (int q = threadIdx.x; q < win1; q += kThreads) {
-    const int y = q / args.win1_w, x = q % args.win1_w;
-    float out[kMaxImageChannels];
-#pragma unroll
-    for (int c = 0; c < kMaxImageChannels; ++c) {
-      out[c] = 0.0f;
-      if (c >= args.C0) continue;
-      const float* src = image + c * win0 + (y * args.stride1) * args.win0_w + x * args.stride1;
-      float acc = static_cast<float>(args.dw1_bias[c]);
-#pragma unroll
-      for (int ky = 0; ky < K; ++ky) {
-#pragma unroll
-        for (int kx = 0; kx < K; ++kx) {
-          acc = fmaf(static_cast<float>(args.dw1_weight[(c * K + ky) * K + kx]), src[ky * args.win0_w + kx], acc);
-        }
-      }
-      out[c] = acc;
-    }
-    d1[q] = make_float4(out[0], out[1], out[2], out[3]);
+  if (args.uint8_input) {
+    load_image_window(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin, image);
+  } else {
+    load_image_window(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
   }
+  load_stage1_weight(args, Kp, w1, b1);
+  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
   __syncthreads();
 
-  const int lane = threadIdx.x % 32;
-  const int r = threadIdx.x / 4, cg = (threadIdx.x % 4) * 8;  // this thread's A row and channels
-  const int py = r / kTile, px = r % kTile;
-  for (int c0 = 0; c0 < Kp; c0 += kChannelGroup) {
-    // Stage-1 outputs for 32 channels over the window: pointwise, activation,
-    // and zero outside the stage-1 extent (stage 2's padding).
-    const int c = c0 + lane;
-    const bool real = c < args.C1;
-    float w[kMaxImageChannels];
-#pragma unroll
-    for (int j = 0; j < kMaxImageChannels; ++j) {
-      w[j] = real && j < args.C0 ? static_cast<float>(args.pw1_weight[c * args.C0 + j]) : 0.0f;
-    }
-    const float4 w1 = make_float4(w[0], w[1], w[2], w[3]);
-    const float b1 = real ? static_cast<float>(args.pw1_bias[c]) : 0.0f;
-    switch (args.act1) {
-      case Activation::GELU: fill_stage1<Activation::GELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
-      case Activation::RELU: fill_stage1<Activation::RELU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
-      case Activation::SILU: fill_stage1<Activation::SILU>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
-      case Activation::NONE: fill_stage1<Activation::NONE>(args, s1, d1, w1, b1, real, y1_origin, x1_origin); break;
-    }
-    __syncthreads();
+  stage1_depthwise<T, K>(args, image, d1, inside, padded_rows, y1_origin, x1_origin);
+  __syncthreads();
 
-    // Stage-2 depthwise for this thread's pixel and 8 of the 32 channels.
+  stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
+  __syncthreads();
+
+  // Stage-2 depthwise, 8 channels of one output pixel per item, into A.
+  const int groups = Kp / 8;
+  for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
+    const int r = item / groups, c = (item % groups) * 8;
+    const int py = r / kTile, px = r % kTile;
     float acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      acc[e] = c0 + cg + e < s.pw.in_channels ? static_cast<float>(s.dw_bias[c0 + cg + e]) : 0.0f;
-    }
+    load_floats8(taps + K * K * Kp + c, acc);
 #pragma unroll
     for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
       for (int kx = 0; kx < K; ++kx) {
         const int q = (py * args.stride2 + ky) * args.win1_w + px * args.stride2 + kx;
         float v[8], w[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(s1 + q * kChannelGroup + cg), v);
-        unpack8<T>(*reinterpret_cast<const uint4*>(taps + (ky * K + kx) * Kp + c0 + cg), w);
+        unpack8<T>(*reinterpret_cast<const uint4*>(s1 + q * args.s1_stride + c), v);
+        load_floats8(taps + (ky * K + kx) * Kp + c, w);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
       }
     }
-    store_a8<T>(a_tile + r * a_stride, c0 + cg, acc);
-    __syncthreads();
+    store_a8<T>(a_tile + r * a_stride, c, acc);
   }
+  __syncthreads();
   finish_block<T, kTileRows>(shared, args.layout, s, rows);
 }
 
 // ---- host side -------------------------------------------------------------------
 
 struct FirstGeometry {
-  int win1_h, win1_w, win0_h, win0_w;
-  size_t image_offset, d1_offset, s1_offset, taps_offset, scratch;
+  int win1_h, win1_w, win0_h, win0_w, s1_stride;
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, scratch;
 };
 
 FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, size_t elem) {
   FirstGeometry g;
   g.win1_h = g.win1_w = (kTile - 1) * stride2 + K;
   g.win0_h = g.win0_w = (g.win1_h - 1) * stride1 + K;
+  g.s1_stride = padded_stride(k_padded);
+  const int win1 = g.win1_h * g.win1_w;
   g.image_offset = 0;
   g.d1_offset = align16(sizeof(float) * C0 * g.win0_h * g.win0_w);
-  g.s1_offset = g.d1_offset + align16(sizeof(float4) * g.win1_h * g.win1_w);
-  g.taps_offset = g.s1_offset + align16(elem * g.win1_h * g.win1_w * kChannelGroup);
-  g.scratch = g.taps_offset + align16(elem * K * K * k_padded);
+  g.w1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
+  g.s1_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
+  g.taps_offset = g.s1_offset + align16(elem * win1 * g.s1_stride);
+  g.scratch = g.taps_offset + align16(taps_bytes(K, k_padded));
   return g;
 }
 
@@ -371,7 +462,7 @@ size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels
 }
 
 SharedLayout stage_layout(int rows, int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(rows, k_padded, elem * K * K * k_padded, out_channels, elem);
+  return shared_layout(rows, k_padded, taps_bytes(K, k_padded), out_channels, elem);
 }
 
 // Rows per stage-kernel block: 64, unless that leaves room for only one
@@ -407,7 +498,7 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOu
   g.pw.out_channels = static_cast<int>(stage.out_channels);
   g.pw.vector = stage.in_channels % 8 == 0 && aligned16(g.pw.weight);
   g.k_padded = round_up(static_cast<int>(stage.in_channels), kChannelGroup);
-  g.act = act;
+  g.act = activation_form(act);
   g.output = output;
   return g;
 }
@@ -441,10 +532,10 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W0 = static_cast<int>(p.W);
   a.stride1 = static_cast<int>(s1.stride);
   a.stride2 = static_cast<int>(s2.stride);
-  a.act1 = p.activation;
+  a.act1 = activation_form(p.activation);
   for (int c = 0; c < kMaxImageChannels; ++c) {
     a.mean[c] = c < p.C ? static_cast<float>(p.mean[c]) : 0.0f;
-    a.std[c] = c < p.C ? static_cast<float>(p.std[c]) : 1.0f;
+    a.inv_std[c] = c < p.C ? static_cast<float>(1.0 / p.std[c]) : 1.0f;
   }
   a.dw1_weight = s1.dw_weight.data_ptr<T>();
   a.dw1_bias = s1.dw_bias.data_ptr<T>();
@@ -462,8 +553,10 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.win1_w = g.win1_w;
   a.win0_h = g.win0_h;
   a.win0_w = g.win0_w;
+  a.s1_stride = g.s1_stride;
   a.image_offset = g.image_offset;
   a.d1_offset = g.d1_offset;
+  a.w1_offset = g.w1_offset;
   a.s1_offset = g.s1_offset;
   a.taps_offset = g.taps_offset;
   a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));

@@ -268,9 +268,12 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
       const In* row = origin + c * c_step + y * y_step;
 #pragma unroll
       for (int h = 0; h < kColumnsPerLane; ++h) {
-        const float raw = y_inside && x_inside[h] ? static_cast<float>(row[x_offset[h]]) : 0.0f;
-        // Normalized after the test, so padding is zero in normalized space.
-        v[b][h] = std::is_same_v<In, uint8_t> && y_inside && x_inside[h] ? (raw - mean) * inv_std : raw;
+        // Every lane loads (taps outside read the image's first element), so
+        // the loads carry no branch and all issue before the first is used.
+        const bool inside = y_inside && x_inside[h];
+        const float raw = static_cast<float>(__ldg(inside ? row + x_offset[h] : origin));
+        // Zero after normalization: padding is zero in normalized space.
+        v[b][h] = !inside ? 0.0f : std::is_same_v<In, uint8_t> ? (raw - mean) * inv_std : raw;
       }
     }
 #pragma unroll

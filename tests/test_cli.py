@@ -234,13 +234,25 @@ def test_the_output_gets_the_usual_file_permissions(tmp_path, good_images):
     assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(ordinary.stat().st_mode)
 
 
-def test_tokens_can_be_stored_in_bfloat16(tmp_path, good_images):
+def test_dtype_sets_the_models_and_the_stored_tokens_dtype(tmp_path, good_images):
     full, half = tmp_path / "full.safetensors", tmp_path / "half.safetensors"
     assert cli.main(["tokenize", *good_images, "--out", str(full), *FAST]) == 0
     assert cli.main(["tokenize", *good_images, "--out", str(half), "--dtype", "bfloat16", *FAST]) == 0
     full_tokens, half_tokens = read_output(full)[0], read_output(half)[0]
+    assert full_tokens.dtype == torch.float32  # the default on the CPU
     assert half_tokens.dtype == torch.bfloat16
-    assert torch.equal(half_tokens, full_tokens.to(torch.bfloat16))
+    # The model ran in bfloat16 (LayerNormed tokens: values of order 1).
+    torch.testing.assert_close(half_tokens.float(), full_tokens, atol=0.1, rtol=0.05)
+    model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0).to(torch.bfloat16)
+    batch = torch.stack([load_image(path, 32) for path in good_images])
+    with torch.inference_mode():
+        assert torch.equal(half_tokens, model(batch))
+
+
+def test_the_default_dtype_is_bfloat16_on_cuda_and_float32_elsewhere():
+    assert cli.default_dtype(torch.device("cuda")) == "bfloat16"
+    assert cli.default_dtype(torch.device("cpu")) == "float32"
+    assert cli.default_dtype(torch.device("mps")) == "float32"
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ _SOURCES = {
     "backends": "dispatch",
     "extension": None,  # a submodule itself
     "ops": None,
+    "read_tokens": "shards",
     "select_backend": "dispatch",
 }
 
@@ -32,6 +33,7 @@ __all__ = [
     "backends",
     "extension",
     "ops",
+    "read_tokens",
     "select_backend",
 ]
 

@@ -19,7 +19,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import torch
 from PIL import Image, ImageMath, ImageOps
@@ -198,16 +198,31 @@ def decode_image(
     large photo at full size only to shrink it afterwards; the pixel limit
     applies to that reduced size.
     """
+    with open_image(path) as image:
+        return decode_opened(image, min_side, max_pixels=max_pixels, background=background)
+
+
+def open_image(file: str | os.PathLike | BinaryIO) -> Image.Image:
+    """Image.open, which reads only the header; Pillow's unnamed warning for
+    large images stays quiet (check_pixel_count names the file instead)."""
     with warnings.catch_warnings():
-        # Pillow warns above its threshold, unnamed; check_pixel_count names the file instead.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        image = Image.open(path)
-    with image:
-        if min_side is not None:
-            image.draft("RGB", (min_side, min_side))
-        check_pixel_count(image.size, max_pixels)
-        ImageOps.exif_transpose(image, in_place=True)
-        return to_rgb(image, background)
+        return Image.open(file)
+
+
+def decode_opened(
+    image: Image.Image,
+    min_side: int | None = None,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    background: tuple[int, int, int] = WHITE,
+) -> Image.Image:
+    """decode_image for an image already opened with open_image."""
+    if min_side is not None:
+        image.draft("RGB", (min_side, min_side))
+    check_pixel_count(image.size, max_pixels)
+    ImageOps.exif_transpose(image, in_place=True)
+    return to_rgb(image, background)
 
 
 def crop_box(width: int, height: int, resize: int, image_size: int) -> tuple[float, float, float, float]:

@@ -1,0 +1,342 @@
+"""End-to-end throughput of `lumenbridge tokenize` against decode-only throughput, in one run.
+
+Generates photo-like JPEGs (300 to 600 px a side) on local disk, then measures:
+
+1. decode only, GPU: the files' bytes already in memory, torchvision.io.decode_jpeg(device="cuda")
+   in batches (as the issue's reference figure), and the same plus LumenBridge's GPU resize and crop;
+2. decode only, CPU: Pillow decoding, resizing and cropping in --workers DataLoader processes,
+   reading the files (LumenBridge's own SampleDataset, no model);
+3. end to end: `lumenbridge tokenize FOLDER --out DIR --decode gpu` (and, unless --quick or
+   --skip-cpu-e2e, the same with --decode cpu) as a subprocess: files in, shards on disk, with
+   the run's own time breakdown (--report) and the peak host memory of its process tree; then
+   --decode gpu again with the shards in /dev/shm (unless --no-tmpfs), which shows what the
+   pipeline does where the disk's write speed (measured too) is not the limit.
+
+Prints a table and writes everything to OUT/bench_pipeline.json. Times on the H200 machine,
+after the extension build (about 70 s on a fresh machine, included in the run):
+
+    python benchmarks/bench_pipeline.py --out results/            # 20,000 images, about 3 minutes
+    python benchmarks/bench_pipeline.py --out results/ --quick    # 4,000 images, about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def photo_jpeg(seed: int) -> bytes:
+    """A photo-like JPEG: smooth gradients, soft blobs, texture and sensor noise, quality 85-95."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    width, height = (int(v) for v in rng.integers(300, 601, size=2))
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    image = np.zeros((height, width, 3), np.float32)
+    for channel in range(3):
+        angle, phase = rng.uniform(0, np.pi), rng.uniform(0, 2 * np.pi)
+        image[..., channel] = 110 + 70 * np.sin((x * np.cos(angle) + y * np.sin(angle)) / rng.uniform(60, 250) + phase)
+    for _ in range(int(rng.integers(3, 9))):
+        cx, cy, radius = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(20, 160)
+        blob = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * radius**2))
+        image += blob[..., None] * rng.uniform(-90, 90, size=3)
+    image += 12 * np.sin(x / rng.uniform(2, 6))[..., None] * np.sin(y / rng.uniform(2, 6))[..., None]
+    image += rng.normal(0, 5, image.shape)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=int(rng.integers(85, 96)))
+    return buffer.getvalue()
+
+
+def write_images(folder: Path, count: int, processes: int) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = sorted(folder.glob("*.jpg"))
+    if len(existing) >= count:
+        paths = existing[:count]
+        return {"images": count, "bytes": sum(path.stat().st_size for path in paths), "seconds": 0.0, "reused": True}
+    started = time.perf_counter()
+    total = 0
+    with ProcessPoolExecutor(processes) as pool:
+        for index, data in enumerate(pool.map(photo_jpeg, range(count), chunksize=64)):
+            (folder / f"{index // 1000:03}").mkdir(exist_ok=True)
+            (folder / f"{index // 1000:03}" / f"{index:07}.jpg").write_bytes(data)
+            total += len(data)
+    return {"images": count, "bytes": total, "seconds": time.perf_counter() - started, "reused": False}
+
+
+def image_files(folder: Path) -> list[str]:
+    return sorted(str(path) for path in folder.rglob("*.jpg"))
+
+
+def gpu_decode_only(paths: list[str], batch_size: int, image_size: int, resize: int) -> dict:
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from lumenbridge.gpu_decode import crop_resize, decode_jpegs
+
+    data = [torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8) for path in paths]
+    batches = [data[i : i + batch_size] for i in range(0, len(data), batch_size)]
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream()
+    results = {}
+    with torch.cuda.stream(stream):
+        decode_jpeg(batches[0], mode=ImageReadMode.RGB, device=device)  # warm-up
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for batch in batches:
+            decode_jpeg(batch, mode=ImageReadMode.RGB, device=device)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        results["decode_jpeg_cuda"] = {"images_per_second": len(data) / seconds, "seconds": seconds}
+        started = time.perf_counter()
+        for batch in batches:
+            crop_resize(decode_jpegs(batch, device), image_size, resize)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        results["decode_resize_crop_cuda"] = {"images_per_second": len(data) / seconds, "seconds": seconds}
+    return results
+
+
+def cpu_decode_only(paths: list[str], workers: int, batch_size: int, image_size: int, resize: int, gpu: bool) -> dict:
+    """LumenBridge's DataLoader stage alone: Pillow decode + resize + crop (gpu=False), or
+    reading and header checks for --decode gpu (gpu=True), in `workers` processes."""
+    import torch
+
+    from lumenbridge.pipeline import SampleDataset, collate
+    from lumenbridge.sources import Sample
+
+    plan = [Sample(path, path) for path in paths]
+    loader = torch.utils.data.DataLoader(
+        SampleDataset(plan, image_size, resize, gpu=gpu),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=collate,
+        prefetch_factor=4,
+    )
+    started = time.perf_counter()
+    images = 0
+    for batch in loader:
+        images += len(batch.indices)
+    seconds = time.perf_counter() - started
+    return {"images_per_second": images / seconds, "seconds": seconds, "workers": workers}
+
+
+class PeakMemory(threading.Thread):
+    """Peak resident memory of a process and its children (psutil), sampled every 0.2 s."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import psutil
+        except ImportError:
+            return
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self.done.is_set():
+            try:
+                processes = [root, *root.children(recursive=True)]
+                rss = 0
+                for process in processes:
+                    try:
+                        memory = process.memory_full_info()
+                        rss += getattr(memory, "uss", memory.rss)  # unique memory: shared pages once
+                    except psutil.Error:
+                        continue
+                self.peak = max(self.peak, rss)
+            except psutil.Error:
+                return
+            time.sleep(0.2)
+
+
+def end_to_end(folder: Path, out: Path, decode: str, args, report: Path) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "lumenbridge",
+        "tokenize",
+        str(folder),
+        "--out",
+        str(out),
+        "--decode",
+        decode,
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--shard-size",
+        str(args.shard_size),
+        "--report",
+        str(report),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    memory = PeakMemory(process.pid)
+    memory.start()
+    stdout, stderr = process.communicate()
+    memory.done.set()
+    seconds = time.perf_counter() - started
+    if process.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-4000:]}")
+    numbers = json.loads(report.read_text())
+    disk = sum(path.stat().st_size for path in out.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "command": " ".join(command[2:]),
+        "process_seconds": seconds,
+        "peak_host_memory_bytes": memory.peak or None,
+        "token_bytes_on_disk": disk,
+        "summary": stdout.strip().splitlines(),
+        **numbers,
+    }
+
+
+def disk_write_speed(folder: Path, megabytes: int = 2048) -> float:
+    """Sequential write with fsync, in bytes/s: the ceiling for writing shards there."""
+    path = folder / "write-test.bin"
+    block = os.urandom(1 << 20)
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        file.writelines(block for _ in range(megabytes))
+        file.flush()
+        os.fsync(file.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return megabytes * (1 << 20) / seconds
+
+
+def build_extension() -> float:
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "lumenbridge", "build"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])},
+        check=True,
+        capture_output=True,
+    )
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for bench_pipeline.json")
+    parser.add_argument("--data", help="folder for the generated JPEGs (default: a temporary folder, removed)")
+    parser.add_argument("--images", type=int, help="images to generate (default: 20000, 4000 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer images and no CPU end-to-end run: about 2 min")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="DataLoader workers (default: CPUs)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--shard-size", type=int, default=10_000)
+    parser.add_argument("--preset", default="lumenbridge-base")
+    parser.add_argument("--skip-cpu-e2e", action="store_true", help="skip `tokenize --decode cpu` end to end")
+    parser.add_argument("--no-tmpfs", action="store_true", help="skip the --decode gpu run that writes to /dev/shm")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_pipeline: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    count = args.images or (4000 if args.quick else 20_000)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="lumenbridge-bench-"))
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "settings": {key: getattr(args, key) for key in ("workers", "batch_size", "shard_size", "preset")},
+    }
+    try:
+        results["extension_build_seconds"] = build_extension()
+        print(f"extension ready ({results['extension_build_seconds']:.0f} s)", flush=True)
+        folder = scratch / "images"
+        results["images"] = write_images(folder, count, args.workers)
+        print(f"images: {results['images']}", flush=True)
+        paths = image_files(folder)[:count]
+        results["disk_write_bytes_per_second"] = disk_write_speed(scratch, 1024 if args.quick else 4096)
+        image_size, resize = 224, 256
+        results["decode_only"] = gpu_decode_only(paths, args.batch_size, image_size, resize)
+        results["decode_only"]["cpu_workers_pillow"] = cpu_decode_only(
+            paths, args.workers, args.batch_size, image_size, resize, gpu=False
+        )
+        results["decode_only"]["cpu_workers_read_for_gpu"] = cpu_decode_only(
+            paths, args.workers, args.batch_size, image_size, resize, gpu=True
+        )
+        print(json.dumps(results["decode_only"], indent=1), flush=True)
+        results["end_to_end"] = {
+            "gpu": end_to_end(folder, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json")
+        }
+        # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
+        tokens_bytes = results["end_to_end"]["gpu"]["token_bytes_on_disk"]
+        shm = Path("/dev/shm")
+        if not args.no_tmpfs and shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * tokens_bytes:
+            results["end_to_end"]["gpu_to_tmpfs"] = end_to_end(
+                folder, shm / f"lumenbridge-bench-{os.getpid()}", "gpu", args, scratch / "report-tmpfs.json"
+            )
+        if not (args.quick or args.skip_cpu_e2e):
+            results["end_to_end"]["cpu"] = end_to_end(
+                folder, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
+            )
+    finally:
+        if not args.data:
+            shutil.rmtree(scratch, ignore_errors=True)
+    (out / "bench_pipeline.json").write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    decode = results["decode_only"]
+    rows = [
+        ("decode only: decode_jpeg(device=cuda), bytes in memory", decode["decode_jpeg_cuda"]["images_per_second"], ""),
+        ("decode only: + GPU resize and crop", decode["decode_resize_crop_cuda"]["images_per_second"], ""),
+        (
+            f"decode only: Pillow in {decode['cpu_workers_pillow']['workers']} workers (files)",
+            decode["cpu_workers_pillow"]["images_per_second"],
+            "",
+        ),
+        ("reading only, for --decode gpu (files)", decode["cpu_workers_read_for_gpu"]["images_per_second"], ""),
+    ]
+    for mode, run in results["end_to_end"].items():
+        memory = run["peak_host_memory_bytes"]
+        note = f"tokenize {100 * run['tokenize_share_of_wall']:.1f}% of wall" + (
+            f", peak host memory {memory / 2**30:.1f} GiB" if memory else ""
+        )
+        where = "shards in /dev/shm" if mode == "gpu_to_tmpfs" else "shards on disk"
+        note += f"; {run['images'] / run['process_seconds']:,.0f}/s counting the process's start"
+        decode_mode = "gpu" if mode.startswith("gpu") else "cpu"
+        rows.append(
+            (f"end to end: tokenize --decode {decode_mode} (files in, {where})", run["images_per_second"], note)
+        )
+    print(f"\n{results['images']['images']} JPEGs, {results['device']}, {results['cpus']} CPUs")
+    print(f"disk: {results['disk_write_bytes_per_second'] / 1e9:.2f} GB/s sequential write with fsync")
+    for name, rate, note in rows:
+        print(f"  {name:<64} {rate:>10,.0f} images/s  {note}")
+    for mode, run in results["end_to_end"].items():
+        print(f"  {mode}: seconds {json.dumps({k: round(v, 2) for k, v in run['seconds'].items()})}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

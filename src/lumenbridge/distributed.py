@@ -1,0 +1,134 @@
+"""The torchrun side of a sharded run: rank and world size from the
+environment torchrun sets, a gloo process group for the few small messages
+the ranks exchange (the plan's tar listings, rank 0's list of shards to do),
+and its key-value store for progress and the end-of-run handshake.
+
+Nothing here moves tokens: every rank writes its own shards to the shared
+output folder, so the coordination is small and runs on the CPU (gloo) on
+every machine, GPU or not. The same code runs as one process without torchrun.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Long enough for ranks that finish their shards at different times to wait for the rest.
+TIMEOUT = datetime.timedelta(hours=24)
+PREFIX = "lumenbridge/"
+
+
+class Group:
+    """rank, world size and the helpers a run needs; a single process is a group of one."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.initialized_here = False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=TIMEOUT)
+                self.initialized_here = True
+            self.store = dist.distributed_c10d._get_default_store()
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def from_main(self, compute: Callable[[], Any]) -> Any:
+        """compute() on rank 0, its result on every rank (an exception travels as ("error", message))."""
+        if not self.distributed:
+            return compute()
+        import torch.distributed as dist
+
+        box = [None]
+        if self.main:
+            try:
+                box[0] = ("ok", compute())
+            except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+                box[0] = ("error", error)
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise value
+        return value
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def share_work(self, items: list, work: Callable[[list], list]) -> list:
+        """work(items) as one list in order, each rank doing items[rank::world]."""
+        if not self.distributed:
+            return work(items)
+        mine = work(items[self.rank :: self.world])
+        pieces = self.all_gather(mine)
+        result = [None] * len(items)
+        for rank, piece in enumerate(pieces):
+            result[rank :: self.world] = piece
+        return result
+
+    # Progress and the end of the run go through the store: no rank waits in a
+    # collective while another is still working.
+
+    def add(self, name: str, amount: int) -> int:
+        if not self.distributed:
+            return amount
+        return int(self.store.add(PREFIX + name, amount))
+
+    def publish(self, name: str, value: Any) -> None:
+        if self.distributed:
+            self.store.set(PREFIX + name, json.dumps(value))
+
+    def fetch(self, name: str) -> Any:
+        return json.loads(self.store.get(PREFIX + name))
+
+    def wait_for_all(self, on_tick: Callable[[], None], interval: float = 0.25) -> list[dict]:
+        """On rank 0: waits until every rank has called finished(), calling on_tick
+        meanwhile; returns every rank's published stats."""
+        while self.add("finished", 0) < self.world:
+            on_tick()
+            time.sleep(interval)
+        on_tick()
+        return [self.fetch(f"stats/{rank}") for rank in range(self.world)]
+
+    def finished(self, stats: dict) -> None:
+        self.publish(f"stats/{self.rank}", stats)
+        self.add("finished", 1)
+
+    def close(self) -> None:
+        if self.initialized_here:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001, S110 - exiting anyway
+                pass
+
+
+def rank_device(device: torch.device, group: Group) -> torch.device:
+    """Under torchrun, each local rank takes its own GPU unless --device named one."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", group.local_rank % max(1, torch.cuda.device_count()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device

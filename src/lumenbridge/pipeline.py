@@ -1,0 +1,805 @@
+"""Sharded tokenization (`lumenbridge tokenize --out DIR`): the plan's samples
+are decoded in DataLoader worker processes (or read there and decoded on the
+GPU), tokenized in batches, and streamed into shards, with every stage
+overlapping the others:
+
+    workers  --(uint8 batches, pinned)-->  H2D copy stream  -->  model (compute stream)
+       |                                                            |
+       +-- or JPEG bytes --> GPU decode thread (own stream)         +--> D2H copy stream --> pinned buffers
+                                                                                                  |
+                                                                          writer thread: rows to the shard file,
+                                                                          then fsync + rename per shard
+
+Host memory stays bounded: a few batches in flight between the stages and a
+few pinned token buffers, whatever the number of images (a shard's tokens go
+to disk as they are made, never held whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from . import shards
+from .distributed import Group
+from .images import (
+    DEFAULT_MAX_PIXELS,
+    IMAGE_READ_ERRORS,
+    WHITE,
+    decode_opened,
+    open_image,
+    preprocess,
+)
+from .sources import Sample, read_sample_bytes
+
+KILL_ENV = "LUMENBRIDGE_TEST_KILL"  # tests only: "point:shard", see _maybe_kill
+
+
+def _maybe_kill(point: str, shard: int | str) -> None:
+    """Kill this process with SIGKILL at a named point (tests of resuming after kill -9)."""
+    if os.environ.get(KILL_ENV) == f"{point}:{shard}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- reading and decoding in DataLoader workers ---------------------------------------------
+
+
+class Item(NamedTuple):
+    index: int  # into the plan
+    pixels: torch.Tensor | None  # uint8 [3, S, S], decoded on the CPU
+    encoded: torch.Tensor | None  # JPEG bytes for the GPU, 1-D uint8
+    orientation: int
+    size: tuple[int, int] | None  # the image's (width, height) as stored
+    error: str | None
+    seconds: float  # reading and decoding time in the worker
+
+
+class Batch(NamedTuple):
+    """A batch of plan samples from one shard, in plan order. Tensors are
+    joined (one shared-memory segment each on the way out of a worker, not
+    one per image)."""
+
+    indices: list[int]
+    items: list[Item]  # without their tensors
+    pixels: torch.Tensor | None  # the CPU-decoded items' pixels, stacked in order
+    encoded: torch.Tensor | None  # the JPEG bytes for the GPU, concatenated
+    spans: dict[int, tuple[int, int]]  # plan index -> its bytes in `encoded`
+    seconds: float
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Plan samples read and decoded like ImageFileDataset does (Pillow, the
+    pixel limit, EXIF orientation, transparency onto the background, resize and
+    crop). With gpu=True, JPEGs the GPU can take come back as their bytes and
+    everything else is decoded here."""
+
+    def __init__(
+        self,
+        plan: Sequence[Sample],
+        image_size: int,
+        resize: int,
+        *,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        background: tuple[int, int, int] = WHITE,
+        gpu: bool = False,
+    ):
+        self.plan = plan
+        self.image_size = image_size
+        self.resize = resize
+        self.max_pixels = max_pixels
+        self.background = background
+        self.gpu = gpu
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, index: int) -> Item:
+        started = time.perf_counter()
+        sample = self.plan[index]
+        if sample.error is not None:
+            return Item(index, None, None, 1, None, sample.error, 0.0)
+        try:
+            data = read_sample_bytes(sample)
+            with open_image(io.BytesIO(data)) as image:
+                size = image.size
+                if self.gpu and self._for_gpu(image):
+                    orientation = image.getexif().get(0x0112, 1)
+                    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    return Item(index, None, encoded, orientation, size, None, time.perf_counter() - started)
+                rgb = decode_opened(image, self.resize, max_pixels=self.max_pixels, background=self.background)
+            pixels = preprocess(rgb, self.image_size, self.resize)
+        except IMAGE_READ_ERRORS as error:
+            return Item(index, None, None, 1, None, describe(error, sample), time.perf_counter() - started)
+        return Item(index, pixels, None, 1, size, None, time.perf_counter() - started)
+
+    def _for_gpu(self, image) -> bool:
+        from .gpu_decode import GPU_MAX_PIXELS, GPU_MAX_SIDE
+
+        width, height = image.size
+        return (
+            image.format == "JPEG"
+            and image.mode in ("RGB", "L")
+            and max(width, height) <= GPU_MAX_SIDE
+            and width * height <= min(self.max_pixels, GPU_MAX_PIXELS)
+        )
+
+
+_IN_MEMORY = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def describe(error: BaseException, sample: Sample) -> str:
+    """The reason a sample was skipped, the same on every run (Pillow names an
+    in-memory file by its address; the sample's key stands in for it)."""
+    return _IN_MEMORY.sub(repr(sample.key), f"{type(error).__name__}: {error}")
+
+
+def collate(items: Sequence[Item]) -> Batch:
+    decoded = [item.pixels for item in items if item.pixels is not None]
+    pixels = torch.stack(decoded) if decoded else None
+    jpegs = [item.encoded for item in items if item.encoded is not None]
+    encoded = torch.cat(jpegs) if jpegs else None
+    spans, start = {}, 0
+    for item in items:
+        if item.encoded is not None:
+            spans[item.index] = (start, start + len(item.encoded))
+            start += len(item.encoded)
+    light = [item._replace(pixels=None, encoded=None) for item in items]
+    return Batch([item.index for item in items], light, pixels, encoded, spans, sum(item.seconds for item in items))
+
+
+def _warm_up_decoder(device: torch.device) -> None:
+    from PIL import Image
+
+    from .gpu_decode import decode_jpegs
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (90, 120, 200)).save(buffer, "JPEG")
+    decode_jpegs([torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)] * 2, device)
+
+
+def decode_on_cpu(data: bytes, image_size: int, resize: int, max_pixels: int, background) -> torch.Tensor:
+    """The CPU path for one image the GPU could not decode."""
+    with open_image(io.BytesIO(data)) as image:
+        rgb = decode_opened(image, resize, max_pixels=max_pixels, background=background)
+    return preprocess(rgb, image_size, resize)
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    out: str
+    shard_size: int
+    batch_size: int
+    workers: int
+    decode: str  # "cpu" or "gpu"
+    image_size: int
+    resize: int
+    max_pixels: int
+    background: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    grid: list[int] = field(default_factory=list)  # the token grid of every image: [rows, columns]
+    progress: bool = True
+    on_failure: Callable[[str, str], None] | None = None
+
+
+@dataclass
+class Stats:
+    images: int = 0
+    skipped: int = 0
+    shards: int = 0
+    decode: float = 0.0  # CPU reading and decoding, summed over the workers
+    gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop
+    transfer: float = 0.0  # host-to-device images and device-to-host tokens
+    tokenize: float = 0.0  # the model
+    write: float = 0.0  # writing shards: rows, fsync, renames
+    input_wait: float = 0.0  # the model's thread waiting for decoded images
+    read_wait: float = 0.0  # with --decode gpu: the decoding thread waiting for the workers' bytes
+    wall: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "extra"}
+
+
+class Prepared(NamedTuple):
+    """A batch ready for the model: the readable images' pixels in plan order."""
+
+    shard: int
+    batch: Batch
+    good: list[Item]  # the readable items, in plan order
+    failures: list[tuple[Item, str]]
+    pixels: torch.Tensor | None  # uint8 [len(good), 3, S, S] on the model's device
+    ready: torch.cuda.Event | None  # recorded where pixels are complete
+
+
+class Timer:
+    """CUDA event pairs whose elapsed times are added up once they are complete."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.lock = threading.Lock()
+
+    def pair(self, name: str, stream: torch.cuda.Stream):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start, end, (lambda: self.add(name, start, end))
+
+    def add(self, name, start, end) -> None:
+        with self.lock:
+            self.pending.append((name, start, end))
+
+    def collect(self, stats: Stats, wait: bool = False) -> None:
+        with self.lock:
+            keep = []
+            for name, start, end in self.pending:
+                if wait:
+                    end.synchronize()
+                if end.query():
+                    setattr(stats, name, getattr(stats, name) + start.elapsed_time(end) / 1000)
+                else:
+                    keep.append((name, start, end))
+            self.pending = keep
+
+
+class Writer(threading.Thread):
+    """Writes rows and commits shards in the order they are queued."""
+
+    def __init__(self, stats: Stats, timer: Timer | None):
+        super().__init__(daemon=True, name="lumenbridge-writer")
+        self.tasks: queue.Queue = queue.Queue(maxsize=16)
+        self.stats = stats
+        self.timer = timer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            kind, writer, payload = task
+            try:
+                if self.error is not None:
+                    pass  # drain: keep releasing buffers so the producer never blocks
+                elif kind == "rows":
+                    tokens, ready, _ = payload
+                    if ready is not None:
+                        ready.synchronize()
+                    started = time.perf_counter()
+                    writer.write_rows(tokens)
+                    self.stats.write += time.perf_counter() - started
+                    _maybe_kill("write", writer.metadata["shard_index"])
+                elif kind == "commit":
+                    started = time.perf_counter()
+                    shard = writer.metadata["shard_index"]
+                    writer.commit(before_rename=lambda shard=shard: _maybe_kill("commit", shard))
+                    self.stats.write += time.perf_counter() - started
+                    self.stats.shards += 1
+                    _maybe_kill("after", shard)
+            except BaseException as error:  # noqa: BLE001 - reported by the main thread
+                self.error = error
+                with contextlib.suppress(Exception):
+                    writer.abort()
+            finally:
+                if kind == "rows" and payload[2] is not None:
+                    payload[2]()
+
+    def put(self, task) -> None:
+        if self.error is not None:
+            raise self.error
+        self.tasks.put(task)
+
+    def close(self) -> None:
+        self.tasks.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+class BufferPool:
+    """Pinned host buffers for device-to-host token copies, reused in turn."""
+
+    def __init__(self, count: int, shape: Sequence[int], dtype: torch.dtype):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty(tuple(shape), dtype=dtype, pin_memory=True))
+
+    def take(self) -> torch.Tensor:
+        return self.free.get()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.put(buffer)
+
+
+def shard_batches(shard_indices: Sequence[int], plan_size: int, shard_size: int, batch_size: int):
+    """(shard, plan indices) of every batch of the given shards, in order; a shard
+    with no samples (an empty plan) still gets one empty batch, so it is written."""
+    batches = []
+    for shard in shard_indices:
+        start, stop = shard * shard_size, min(plan_size, (shard + 1) * shard_size)
+        if start >= stop:
+            batches.append((shard, []))
+        for first in range(start, stop, batch_size):
+            batches.append((shard, list(range(first, min(stop, first + batch_size)))))
+    return batches
+
+
+def row_shape(model, image_size: int, device: torch.device) -> list[int]:
+    """The shape of one image's tokens (one dry run, which also loads the kernels)."""
+    with torch.inference_mode():
+        return list(model(torch.zeros((1, 3, image_size, image_size), dtype=torch.uint8, device=device)).shape[1:])
+
+
+def tokenize_shards(
+    model,
+    plan: Sequence[Sample],
+    shard_indices: Sequence[int],
+    shard_count: int,
+    options: Options,
+    metadata: dict[str, str],
+    group: Group,
+    progress_update: Callable[[int], None],
+) -> Stats:
+    """Tokenizes the given shards of the plan into options.out; returns this rank's stats."""
+    started = time.perf_counter()
+    stats = Stats()
+    device = options.device
+    cuda = device.type == "cuda"
+    gpu_decode = options.decode == "gpu"
+    shape = row_shape(model, options.image_size, device)
+    batches = shard_batches(shard_indices, len(plan), options.shard_size, options.batch_size)
+    shard_of_batch = [shard for shard, _ in batches]
+    dataset = SampleDataset(
+        plan,
+        options.image_size,
+        options.resize,
+        max_pixels=options.max_pixels,
+        background=options.background,
+        gpu=gpu_decode,
+    )
+    workers = options.workers if batches else 0
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=[indices for _, indices in batches],
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=cuda and not gpu_decode,
+        prefetch_factor=2 if workers else None,
+    )
+    batch_iterator = iter(loader)  # forks the workers before any thread of ours starts
+    timer = Timer() if cuda else None
+    writer_thread = Writer(stats, timer)
+    writer_thread.start()
+    compute = torch.cuda.current_stream(device) if cuda else None
+    h2d = torch.cuda.Stream(device) if cuda else None
+    d2h = torch.cuda.Stream(device) if cuda else None
+    pool = BufferPool(4, (options.batch_size, *shape), options.dtype) if cuda else None
+    prepared_batches = _Prepare(batch_iterator, shard_of_batch, plan, options, stats, timer, h2d)
+    current: shards.ShardWriter | None = None
+    current_shard = -1
+    try:
+        with torch.inference_mode():
+            for prepared in prepared_batches:
+                if prepared.shard != current_shard:
+                    if current is not None:
+                        writer_thread.put(("commit", current, None))
+                    current_shard = prepared.shard
+                    current = _open_shard(options, prepared.shard, shard_count, len(plan), shape, metadata)
+                    _maybe_kill("decode", prepared.shard)
+                _record(current, prepared, plan, options, stats)
+                if prepared.pixels is not None:
+                    _tokenize(model, prepared, current, writer_thread, stats, timer, compute, d2h, pool)
+                progress_update(len(prepared.batch.indices))
+                if timer is not None:
+                    timer.collect(stats)
+        if current is not None:
+            writer_thread.put(("commit", current, None))
+            current = None
+        writer_thread.close()
+    except BaseException:
+        if current is not None:
+            current.abort()
+        raise
+    finally:
+        prepared_batches.close()
+    if timer is not None:
+        torch.cuda.synchronize(device)
+        timer.collect(stats, wait=True)
+    stats.wall = time.perf_counter() - started
+    return stats
+
+
+def _open_shard(options, shard: int, count: int, plan_size: int, shape, metadata) -> shards.ShardWriter:
+    planned = min(plan_size, (shard + 1) * options.shard_size) - shard * options.shard_size
+    name = shards.shard_name(shard, count)
+    shard_metadata = {**metadata, "shard": name, "shard_index": str(shard)}
+    return shards.ShardWriter(options.out, name, max(0, planned), shape, options.dtype, shard_metadata)
+
+
+def _record(writer: shards.ShardWriter, prepared: Prepared, plan, options: Options, stats: Stats) -> None:
+    """The index and errors lines of a batch; rows are numbered in plan order."""
+    for row, item in enumerate(prepared.good, start=writer.next_row):
+        sample = plan[item.index]
+        width, height = item.size
+        writer.add_index(
+            {
+                "key": sample.key,
+                "source": sample.source,
+                "member": sample.member,
+                "shard": writer.name,
+                "row": row,
+                "width": width,
+                "height": height,
+                "grid": options.grid,
+            }
+        )
+    writer.next_row += len(prepared.good)
+    for item, reason in prepared.failures:
+        sample = plan[item.index]
+        writer.add_error(
+            {"key": sample.key, "source": sample.source, "member": sample.member, "shard": writer.name, "error": reason}
+        )
+        if options.on_failure is not None:
+            options.on_failure(
+                sample.key if sample.key == sample.source else f"{sample.key} in {sample.source}", reason
+            )
+    stats.images += len(prepared.good)
+    stats.skipped += len(prepared.failures)
+
+
+def _tokenize(model, prepared, writer, writer_thread, stats, timer, compute, d2h, pool) -> None:
+    if compute is None:  # on the CPU
+        begun = time.perf_counter()
+        tokens = model(prepared.pixels)
+        stats.tokenize += time.perf_counter() - begun
+        writer_thread.put(("rows", writer, (tokens, None, None)))
+        return
+    if prepared.ready is not None:
+        compute.wait_event(prepared.ready)
+    _, end, done = timer.pair("tokenize", compute)
+    tokens = model(prepared.pixels)
+    end.record(compute)
+    done()
+    buffer = pool.take()
+    rows = buffer[: tokens.shape[0]]
+    d2h.wait_stream(compute)
+    with torch.cuda.stream(d2h):
+        _, copy_end, copy_done = timer.pair("transfer", d2h)
+        rows.copy_(tokens, non_blocking=True)
+        copy_end.record(d2h)
+        copy_done()
+        ready = torch.cuda.Event()
+        ready.record(d2h)
+    tokens.record_stream(d2h)
+    writer_thread.put(("rows", writer, (rows, ready, lambda: pool.give(buffer))))
+
+
+class _Prepare:
+    """Iterates Prepared batches: CPU-decoded batches copied to the device on
+    their own stream, or, with --decode gpu, batches decoded on the GPU in a
+    thread of their own (with its own stream) a few batches ahead."""
+
+    def __init__(self, batches, shard_of_batch, plan, options: Options, stats: Stats, timer: Timer | None, h2d):
+        self.batches = batches
+        self.plan = plan
+        self.shard_of_batch = shard_of_batch
+        self.options = options
+        self.stats = stats
+        self.timer = timer
+        self.h2d = h2d
+        self.thread = None
+        self.stop = threading.Event()
+        if options.decode == "gpu":
+            self.ready: queue.Queue = queue.Queue(maxsize=3)
+            self.thread = threading.Thread(target=self._decode_ahead, daemon=True, name="lumenbridge-decode")
+            self.thread.start()
+
+    def __iter__(self):
+        if self.thread is None:
+            for number, batch in enumerate(self._timed(self.batches)):
+                yield self._upload(self.shard_of_batch[number], batch)
+            return
+        while True:
+            begun = time.perf_counter()
+            item = self.ready.get()
+            self.stats.input_wait += time.perf_counter() - begun
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _timed(self, batches):
+        iterator = iter(batches)
+        while True:
+            begun = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.stats.input_wait += time.perf_counter() - begun
+            self.stats.decode += batch.seconds
+            yield batch
+
+    def _split(self, batch: Batch):
+        good = [item for item in batch.items if item.error is None]  # CPU-decoded, in order
+        failures = [(item, item.error) for item in batch.items if item.error is not None]
+        return good, failures
+
+    def _upload(self, shard: int, batch: Batch) -> Prepared:
+        good, failures = self._split(batch)
+        pixels, ready = batch.pixels, None
+        if pixels is not None and self.h2d is not None:
+            device = self.options.device
+            with torch.cuda.stream(self.h2d):
+                _, end, done = self.timer.pair("transfer", self.h2d)
+                pixels = pixels.to(device, non_blocking=True)
+                end.record(self.h2d)
+                done()
+                ready = torch.cuda.Event()
+                ready.record(self.h2d)
+            pixels.record_stream(torch.cuda.current_stream(device))
+        return Prepared(shard, batch, good, failures, pixels, ready)
+
+    def _decode_ahead(self) -> None:
+        device = self.options.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                begun = time.perf_counter()
+                _warm_up_decoder(device)  # nvJPEG's first call sets it up (a second or so), while the workers start
+                self.stats.gpu_decode += time.perf_counter() - begun
+                for number, batch in enumerate(self._timed_decode(self.batches)):
+                    if self.stop.is_set():
+                        return
+                    begun = time.perf_counter()
+                    prepared = self._decode(self.shard_of_batch[number], batch, stream)
+                    self.stats.gpu_decode += time.perf_counter() - begun
+                    while not self.stop.is_set():
+                        try:
+                            self.ready.put(prepared, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+            self.ready.put(None)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the model's thread
+            self.ready.put(error)
+
+    def _timed_decode(self, batches):
+        iterator = iter(batches)
+        while True:
+            begun = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.stats.read_wait += time.perf_counter() - begun
+            self.stats.decode += batch.seconds
+            yield batch
+
+    def _decode(self, shard: int, batch: Batch, stream) -> Prepared:
+        from .gpu_decode import _on, crop_resize, decode_jpegs, orient
+
+        options = self.options
+        device = options.device
+        spans = batch.spans
+        data = {index: batch.encoded[start:end] for index, (start, end) in spans.items()}
+        decoded = dict(zip(data, decode_jpegs(list(data.values()), device), strict=True))
+        good, failures, on_gpu, on_cpu = [], [], [], []
+        cpu_pixels = iter(batch.pixels) if batch.pixels is not None else iter(())
+        for item in batch.items:
+            if item.error is not None:
+                failures.append((item, item.error))
+            elif item.index not in spans:
+                on_cpu.append((len(good), next(cpu_pixels)))
+                good.append(item)
+            elif decoded[item.index] is not None:
+                on_gpu.append((len(good), orient(decoded[item.index], item.orientation)))
+                good.append(item)
+            else:  # nvJPEG refused it: the CPU decides
+                try:
+                    raw = data[item.index].numpy().tobytes()
+                    pixels = decode_on_cpu(
+                        raw, options.image_size, options.resize, options.max_pixels, options.background
+                    )
+                except IMAGE_READ_ERRORS as error:
+                    failures.append((item, describe(error, self.plan[item.index])))
+                    continue
+                on_cpu.append((len(good), pixels))
+                good.append(item)
+        if not good:
+            return Prepared(shard, batch, good, failures, None, None)
+        pixels = torch.empty((len(good), 3, options.image_size, options.image_size), dtype=torch.uint8, device=device)
+        if on_gpu:
+            resized = crop_resize([image for _, image in on_gpu], options.image_size, options.resize)
+            pixels.index_copy_(0, _on(device, [p for p, _ in on_gpu], torch.int64), resized)
+        if on_cpu:
+            host = torch.stack([image for _, image in on_cpu])
+            pixels.index_copy_(0, _on(device, [p for p, _ in on_cpu], torch.int64), host.to(device))
+        ready = None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(stream)
+            pixels.record_stream(torch.cuda.default_stream(device))
+        return Prepared(shard, batch, good, failures, pixels, ready)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.ready.get_nowait()
+            self.thread.join(timeout=10)
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    return tqdm(total=total, initial=initial, unit="img", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+
+
+# --- a whole run, on one process or every rank of a torchrun job --------------------------
+
+
+@dataclass
+class RunResult:
+    images: int  # tokenized in the whole output (every shard)
+    skipped: int  # named in errors.jsonl
+    shards: int
+    shards_written: int  # by this run
+    shards_before: int  # already complete when it started
+    images_this_run: int
+    stats: list[dict]  # each rank's Stats.as_dict()
+    wall: float
+    world: int
+    row_shape: list[int]
+
+
+def weights_digest(model) -> str:
+    """A digest of the model's parameters and buffers, so a resumed run knows it has the same weights."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def build_manifest(plan_digest: str, images: int, count: int, options: Options, model, weights: str, digest: str):
+    import json
+
+    dtype = str(options.dtype).removeprefix("torch.")
+    return {
+        "format": shards.FORMAT,
+        "version": shards.FORMAT_VERSION,
+        "inputs": {"digest": plan_digest, "images": images},
+        "shards": count,
+        "settings": {
+            "shard_size": options.shard_size,
+            "image_size": options.image_size,
+            "resize": options.resize,
+            "background": list(options.background),
+            "max_pixels": options.max_pixels,
+            "dtype": dtype,
+            "decode": options.decode,
+        },
+        "model": {"config": json.loads(model.config.to_json()), "weights": weights, "weights_digest": digest},
+        "execution": {"batch_size": options.batch_size, "device": options.device.type},
+    }
+
+
+def run(
+    model, inputs, options: Options, *, weights: str, overwrite: bool, allow_mixed: bool, group: Group
+) -> RunResult:
+    """Plans the inputs, checks or starts DIR, tokenizes this rank's share of the
+    missing shards and, on rank 0, waits for every rank and writes the index."""
+    import hashlib
+    import json
+
+    from .sources import build_plan, plan_digest, scan_tars
+
+    started = time.perf_counter()
+    plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
+    digest = plan_digest(plan)
+    if len(set(group.all_gather(digest))) != 1:
+        raise shards.OutputError("the ranks found different inputs: every rank must see the same files")
+    count = shards.shard_count(len(plan), options.shard_size)
+    manifest = build_manifest(digest, len(plan), count, options, model, weights, weights_digest(model))
+    content = {key: manifest[key] for key in ("version", "inputs", "settings", "model")}
+    fingerprint = hashlib.sha256(shards.dumps(content).encode()).hexdigest()
+    metadata = {"format": "lumenbridge-token-shard", "run": fingerprint, "config": model.config.to_json()}
+
+    with contextlib.ExitStack() as held:
+
+        def prepare() -> list[int]:
+            held.enter_context(shards.run_lock(options.out))
+            shards.prepare_output_dir(options.out, manifest, overwrite=overwrite, allow_mixed=allow_mixed)
+            return shards.pending_shards(options.out, count)
+
+        pending = group.from_main(prepare)
+        mine = pending[group.rank :: group.world]
+
+        def images_in(shard: int) -> int:
+            return max(0, min(len(plan), (shard + 1) * options.shard_size) - shard * options.shard_size)
+
+        before = len(plan) - sum(images_in(shard) for shard in pending)
+        bar = progress_bar(len(plan), before, options.progress and group.main)
+        counter = {"local": 0, "pushed": 0, "at": 0.0}
+
+        def sync_progress(force: bool = False) -> None:
+            now = time.monotonic()
+            if not force and now - counter["at"] < 0.5:
+                return
+            counter["at"] = now
+            total = group.add("done", counter["local"] - counter["pushed"])
+            counter["pushed"] = counter["local"]
+            if group.main:
+                bar.n = before + total
+                bar.refresh()
+
+        def update(images: int) -> None:
+            counter["local"] += images
+            if group.distributed:
+                sync_progress()
+            else:
+                bar.update(images)
+
+        try:
+            stats = tokenize_shards(model, plan, mine, count, options, metadata, group, update)
+            if group.distributed:
+                sync_progress(force=True)
+            group.finished(stats.as_dict())
+            every = group.wait_for_all(lambda: sync_progress(force=True)) if group.main and group.distributed else None
+        finally:
+            bar.close()
+        if not group.main:
+            return RunResult(
+                0,
+                0,
+                count,
+                stats.shards,
+                count - len(pending),
+                stats.images,
+                [stats.as_dict()],
+                stats.wall,
+                group.world,
+                [],
+            )
+        _maybe_kill("index", "run")
+        rows, errors = shards.finish_run(options.out, count)
+        every = every or [stats.as_dict()]
+        shape = json.loads(json.dumps(row_shape_of(options.out, count)))
+    return RunResult(
+        rows,
+        errors,
+        count,
+        sum(item["shards"] for item in every),
+        count - len(pending),
+        sum(item["images"] for item in every),
+        every,
+        time.perf_counter() - started,
+        group.world,
+        shape,
+    )
+
+
+def row_shape_of(directory: str, count: int) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(directory, shards.shard_name(0, count)), framework="pt") as file:
+        return list(file.get_slice("tokens").get_shape()[1:])

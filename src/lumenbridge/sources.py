@@ -1,0 +1,318 @@
+"""Where the images of a sharded run come from: image files, folders, globs,
+brace patterns, WebDataset tar shards, and text or parquet file lists,
+expanded into one ordered list of samples (the plan).
+
+Every sample has a key (an image file's absolute path, or a tar sample's
+WebDataset key), its source (the file or the tar) and, in a tar, the byte
+range of its image member, so that a DataLoader worker reads just those
+bytes. The plan is a pure function of the inputs: every rank of a torchrun
+job, and every resumed run, computes the same one, and its digest is what
+tells a resumed run that it continues the same work.
+
+Problems found while planning that belong to a sample (a tar sample with no
+image member, a member cut off by a truncated tar, a tar whose headers stop
+being readable) become error samples in the plan: they are skipped and named
+in the errors file like an unreadable image, in the shard they fall in.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import posixpath
+import re
+import tarfile
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+from .images import IMAGE_EXTENSIONS, images_in_folder, is_image_file
+
+TAR_SUFFIXES = (".tar",)
+COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+TEXT_LIST_SUFFIXES = (".txt", ".lst")
+PARQUET_SUFFIXES = (".parquet",)
+PARQUET_PATH_COLUMN = "path"
+# The member that holds a WebDataset sample's image: the first of these extensions it has.
+IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+_GLOB_CHARACTERS = frozenset("*?[")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)")
+
+
+class Sample(NamedTuple):
+    """One image of the plan. For a file, member is None and offset and size are -1;
+    error is set for a sample already known to be unreadable."""
+
+    key: str
+    source: str
+    member: str | None = None
+    offset: int = -1
+    size: int = -1
+    error: str | None = None
+
+
+class Input(NamedTuple):
+    """One expanded input: an image file or a tar shard, by absolute path."""
+
+    kind: str  # "file" or "tar"
+    path: str
+
+
+def has_braces(pattern: str) -> bool:
+    return any(_RANGE.fullmatch(m.group(1)) or "," in m.group(1) for m in _BRACE.finditer(pattern))
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Brace expansion as WebDataset and the shell do it: `a-{000..002}.tar`
+    gives a-000.tar, a-001.tar, a-002.tar (zero-padded like the bounds), and
+    `{x,y}` gives each alternative. Braces holding neither stay as they are."""
+    for match in _BRACE.finditer(pattern):
+        body = match.group(1)
+        numbers = _RANGE.fullmatch(body)
+        if numbers:
+            first, last = numbers.groups()
+            width = len(first) if first.lstrip("-").startswith("0") or len(first) == len(last) else 0
+            step = 1 if int(last) >= int(first) else -1
+            values = [f"{value:0{width}d}" for value in range(int(first), int(last) + step, step)]
+        elif "," in body:
+            values = body.split(",")
+        else:
+            continue
+        head, tail = pattern[: match.start()], pattern[match.end() :]
+        return [expanded for value in values for expanded in expand_braces(head + value + tail)]
+    return [pattern]
+
+
+def _suffix(path: str) -> str:
+    name = os.path.basename(path).lower()
+    for suffix in COMPRESSED_TAR_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix
+    return Path(name).suffix
+
+
+def _classify(path: str) -> str:
+    """What a named file is: "tar", "list", "parquet" or "file" (an image, whatever its extension)."""
+    suffix = _suffix(path)
+    if suffix in COMPRESSED_TAR_SUFFIXES:
+        raise ValueError(
+            f"{path}: compressed tar shards are not supported (their members cannot be read without "
+            "decompressing everything before them); WebDataset shards are plain .tar files"
+        )
+    if suffix in TAR_SUFFIXES:
+        return "tar"
+    if suffix in TEXT_LIST_SUFFIXES:
+        return "list"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    return "file"
+
+
+def read_text_list(path: str) -> list[str]:
+    """The entries of a text file list: one path a line; blank lines and lines
+    starting with # are skipped; relative paths are taken from the list's folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with open(path, encoding="utf-8") as file:
+        lines = [line.strip() for line in file]
+    return [os.path.join(folder, line) for line in lines if line and not line.startswith("#")]
+
+
+def read_parquet_list(path: str) -> list[str]:
+    """The entries of a parquet file list: its column "path" (relative paths from the file's folder)."""
+    try:
+        import pyarrow.parquet as pq
+    except ModuleNotFoundError as error:
+        raise ValueError(f"{path}: reading a parquet file list needs pyarrow (pip install pyarrow)") from error
+    schema = pq.read_schema(path)
+    if PARQUET_PATH_COLUMN not in schema.names:
+        raise ValueError(f"{path}: a parquet file list needs a column {PARQUET_PATH_COLUMN!r}; it has {schema.names}")
+    column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
+    folder = os.path.dirname(os.path.abspath(path))
+    return [os.path.join(folder, entry) for entry in column if entry]
+
+
+def _list_entries(path: str, kind: str) -> list[Input]:
+    entries = read_text_list(path) if kind == "list" else read_parquet_list(path)
+    inputs = []
+    for entry in entries:
+        # Entries are not checked here (a list can name millions of files): one
+        # that is missing fails when it is read, and is named in the errors file.
+        inputs.append(Input("tar" if _classify(entry) == "tar" else "file", os.path.abspath(entry)))
+    return inputs
+
+
+def _expand_one(path: str) -> list[Input]:
+    if os.path.isfile(path):
+        kind = _classify(path)
+        if kind in ("list", "parquet"):
+            return _list_entries(path, kind)
+        return [Input(kind, os.path.abspath(path))]
+    if os.path.isdir(path):
+        return [Input("file", os.path.abspath(image)) for image in images_in_folder(path)]
+    if has_braces(path):
+        expanded = []
+        for each in expand_braces(path):
+            matches = _expand_one(each)
+            if not matches:
+                raise FileNotFoundError(f"{each!r} (from {path!r}) does not exist")
+            expanded.extend(matches)
+        return expanded
+    if not _GLOB_CHARACTERS.intersection(path):
+        return []
+    matches = []
+    for match in sorted(glob.glob(path, recursive=True)):
+        if os.path.isdir(match):
+            matches.extend(Input("file", os.path.abspath(image)) for image in images_in_folder(match))
+        elif is_image_file(match):
+            matches.append(Input("file", os.path.abspath(match)))
+        elif _suffix(match) in TAR_SUFFIXES:
+            matches.append(Input("tar", os.path.abspath(match)))
+    return matches
+
+
+def expand_inputs(paths: Sequence[str]) -> list[Input]:
+    """Expands the command line's paths into image files and tar shards, in the
+    order given, dropping repeats. Raises FileNotFoundError naming the first path
+    that yields nothing (a missing list file included), ValueError for a list or
+    tar that cannot be used."""
+    found: list[Input] = []
+    seen = set()
+    for path in paths:
+        matches = _expand_one(os.fspath(path))
+        if not matches:
+            raise FileNotFoundError(f"no image files found for {path!r}")
+        for match in matches:
+            identity = (match.kind, os.path.normcase(match.path))
+            if identity not in seen:
+                seen.add(identity)
+                found.append(match)
+    return found
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """(key, extension) of a tar member, as WebDataset splits them: the key is
+    the path up to the first dot of the file name."""
+    folder, base = posixpath.split(name)
+    stem, _, extension = base.partition(".")
+    return (posixpath.join(folder, stem) if folder else stem), extension.lower()
+
+
+def _sample_of(tar_path: str, key: str, members: dict[str, tarfile.TarInfo], tar_size: int) -> Sample:
+    for extension in IMAGE_MEMBER_EXTENSIONS:
+        info = members.get(extension)
+        if info is None:
+            continue
+        if info.offset_data + info.size > tar_size:
+            return Sample(key, tar_path, info.name, error="the tar ends inside this member (truncated tar)")
+        return Sample(key, tar_path, info.name, info.offset_data, info.size)
+    have = ", ".join(sorted(members)) or "nothing"
+    return Sample(
+        key, tar_path, error=f"no image member ({'/'.join(IMAGE_MEMBER_EXTENSIONS)}) in the sample; it has {have}"
+    )
+
+
+def scan_tar(path: str) -> list[Sample]:
+    """The samples of one WebDataset tar, in member order, reading only the
+    member headers. A sample is the run of consecutive members sharing a key;
+    its image is the member with the first extension of IMAGE_MEMBER_EXTENSIONS.
+    Hidden members (._name) are ignored. A tar that cannot be read, or whose
+    headers stop being readable part-way, adds one error sample (key: the
+    tar's path and the byte offset) for what could not be listed."""
+    samples: list[Sample] = []
+    key, members, size = None, {}, 0
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+            for info in tar:
+                if not info.isfile() or posixpath.basename(info.name).startswith("."):
+                    continue
+                member_key, extension = split_member_name(info.name)
+                if member_key != key:
+                    if key is not None:
+                        samples.append(_sample_of(path, key, members, size))
+                    key, members = member_key, {}
+                members.setdefault(extension, info)
+            if key is not None:
+                samples.append(_sample_of(path, key, members, size))
+                key = None
+            # tarfile stops quietly at a damaged header; what follows must be the zero end blocks.
+            end = tar.offset
+            raw.seek(end)
+            if raw.read(1024).strip(b"\0"):
+                reason = f"unreadable tar header at byte {end}; the rest of the tar is skipped"
+                samples.append(Sample(f"{path}@{end}", path, error=reason))
+    except (OSError, tarfile.TarError, EOFError) as error:
+        if key is not None:  # the sample being listed when the tar ended
+            samples.append(_sample_of(path, key, members, size))
+            if samples[-1].error is not None and "truncated" in samples[-1].error:
+                return samples
+        samples.append(Sample(path, path, error=f"cannot read the tar: {type(error).__name__}: {error}"))
+    return samples
+
+
+def scan_tars(paths: Sequence[str], threads: int = 8) -> list[list[Sample]]:
+    """scan_tar of each path, several at a time (the work is reading headers)."""
+    if len(paths) <= 1:
+        return [scan_tar(path) for path in paths]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(scan_tar, paths))
+
+
+def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sample]]] = scan_tars) -> list[Sample]:
+    """The ordered samples of the inputs. `scan` lists the samples of the tars
+    (one list per tar); torchrun jobs pass one that shares the work between ranks."""
+    inputs = list(inputs)
+    tars = [item.path for item in inputs if item.kind == "tar"]
+    scanned = dict(zip(tars, scan(tars), strict=True)) if tars else {}
+    plan: list[Sample] = []
+    for item in inputs:
+        if item.kind == "tar":
+            plan.extend(scanned[item.path])
+        else:
+            plan.append(Sample(item.path, item.path))
+    return plan
+
+
+def plan_digest(plan: Iterable[Sample]) -> str:
+    """A digest of the plan: the same inputs, in the same order, with the same bytes where."""
+    digest = hashlib.sha256()
+    for sample in plan:
+        digest.update(json.dumps(list(sample), separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def read_sample_bytes(sample: Sample, _files: dict = {}) -> bytes:  # noqa: B006 - a per-process cache on purpose
+    """The encoded image of a sample: the whole file, or its tar member's bytes."""
+    if sample.member is None:
+        with open(sample.source, "rb") as file:
+            return file.read()
+    descriptor = _files.get(sample.source)
+    if descriptor is None:
+        if len(_files) >= 64:
+            for old in _files.values():
+                os.close(old)
+            _files.clear()
+        descriptor = _files[sample.source] = os.open(sample.source, os.O_RDONLY)
+    data = os.pread(descriptor, sample.size, sample.offset)
+    if len(data) != sample.size:
+        raise OSError(f"{sample.source}: the tar ends inside member {sample.member}")
+    return data
+
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "Input",
+    "Sample",
+    "build_plan",
+    "expand_braces",
+    "expand_inputs",
+    "plan_digest",
+    "read_sample_bytes",
+    "scan_tar",
+]

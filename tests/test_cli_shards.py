@@ -1,0 +1,476 @@
+"""`lumenbridge tokenize --out DIR`: sharded output, its index and errors file,
+WebDataset tars and file lists, refusing a folder of another run, resuming
+after SIGKILL to the same bytes, torchrun with gloo, and reading it back."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import lumenbridge
+from lumenbridge import TokenizerConfig, VisualTokenizer, cli, pipeline, shards
+from lumenbridge.images import load_image
+from lumenbridge.sources import expand_braces, scan_tar
+
+SMALL = "lumenbridge-small"
+FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
+COMMAND = [sys.executable, "-m", "lumenbridge"]
+
+
+def environment(**overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **overrides}
+    env.pop("LUMENBRIDGE_BACKEND", None)
+    env.pop(pipeline.KILL_ENV, None)
+    env.update(overrides)
+    return env
+
+
+def photo(seed: int, size: tuple[int, int]) -> Image.Image:
+    """Smooth colours plus noise: compresses like a photo, not like flat colour."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * (seed % 7 + 1) + y * 3) % 256, (y * (seed % 5 + 2)) % 256, (x + y + 40 * seed) % 256], -1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def make_images(folder: Path, count: int, start: int = 0) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(start, start + count):
+        size = (40 + index % 25, 36 + (index * 7) % 29)
+        path = folder / (f"{index:04}.png" if index % 3 == 0 else f"{index:04}.jpg")
+        photo(index, size).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def make_tar(path: Path, images: list[str], extra=()) -> list[str]:
+    """A WebDataset tar: one sample per image (the image plus a caption); returns the keys."""
+    keys = []
+    with tarfile.open(path, "w") as tar:
+
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        for index, image in enumerate(images):
+            key = f"{path.stem}/{index:06}"
+            add(f"{key}.txt", f"caption {index}".encode())
+            add(f"{key}{Path(image).suffix}", Path(image).read_bytes())
+            keys.append(key)
+        for name, data in extra:
+            add(name, data)
+    return keys
+
+
+def tokenize(*arguments) -> int:
+    return cli.main(["tokenize", *map(str, arguments), *FAST])
+
+
+def index_of(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "index.jsonl").read_text().splitlines()]
+
+
+def errors_of(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "errors.jsonl").read_text().splitlines()]
+
+
+def expected(paths, image_size=32, dtype=torch.float32):
+    model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0).to(dtype)
+    with torch.inference_mode():
+        return model(torch.stack([load_image(path, image_size) for path in paths]))
+
+
+def tree(folder) -> dict[str, bytes]:
+    """Every file below a folder (hidden ones too) with its bytes."""
+    folder = Path(folder)
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def images(tmp_path):
+    return make_images(tmp_path / "images", 12)
+
+
+# --- sharded output and its index ------------------------------------------------------------
+
+
+def test_shards_index_and_tokens(tmp_path, images, capsys):
+    out = tmp_path / "out"
+    assert tokenize(tmp_path / "images", "--out", out, "--shard-size", "5", "--batch-size", "2") == 0
+    captured = capsys.readouterr().out
+    assert "tokenized 12 images into 3 shards" in captured and "where the time went" in captured
+    names = sorted(os.listdir(out))
+    assert names == [
+        "errors.jsonl",
+        "index.jsonl",
+        "lumenbridge.json",
+        "parts",
+        "tokens-00000-of-00003.safetensors",
+        "tokens-00001-of-00003.safetensors",
+        "tokens-00002-of-00003.safetensors",
+    ]
+    index = index_of(out)
+    assert [entry["key"] for entry in index] == images
+    assert [(entry["shard"][:12], entry["row"]) for entry in index] == [
+        (f"tokens-0000{i // 5}", i % 5) for i in range(12)
+    ]
+    first = index[0]
+    assert first["source"] == images[0] and first["member"] is None and first["grid"] == [2, 2]
+    assert (first["width"], first["height"]) == Image.open(images[0]).size
+    assert errors_of(out) == []
+    reader = lumenbridge.read_tokens(out)
+    assert len(reader) == 12
+    rows = list(reader)
+    want = expected(images)
+    for (key, tokens, grid), path, tokens_expected in zip(rows, images, want, strict=True):
+        assert key == path and grid == (2, 2)
+        torch.testing.assert_close(tokens, tokens_expected)
+    torch.testing.assert_close(reader[images[7]], want[7])
+    assert images[3] in reader and "nope" not in reader
+    with pytest.raises(KeyError):
+        reader.get("nope")
+
+
+def test_sharded_and_single_file_tokens_are_the_same(tmp_path, images):
+    assert tokenize(*images, "--out", tmp_path / "one.safetensors") == 0
+    assert tokenize(*images, "--out", tmp_path / "dir", "--shard-size", "4") == 0
+    single = {key: tokens for key, tokens, _ in lumenbridge.read_tokens(tmp_path / "one.safetensors")}
+    sharded = {key: tokens for key, tokens, _ in lumenbridge.read_tokens(tmp_path / "dir")}
+    assert single.keys() == sharded.keys()
+    assert all(torch.equal(single[key], sharded[key]) for key in single)
+
+
+def test_bfloat16_shards_and_a_report(tmp_path, images):
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    assert tokenize(*images, "--out", out, "--dtype", "bfloat16", "--report", report) == 0
+    tokens = next(iter(lumenbridge.read_tokens(out))).tokens
+    assert tokens.dtype == torch.bfloat16
+    torch.testing.assert_close(tokens, expected(images, dtype=torch.bfloat16)[0])
+    numbers = json.loads(report.read_text())
+    assert numbers["images"] == 12 and numbers["shards"] == 1 and numbers["processes"] == 1
+    assert set(numbers["seconds"]) == set(cli.TIME_PARTS)
+    assert 0 < numbers["tokenize_share_of_wall"] < 1
+
+
+def test_unreadable_images_go_to_the_errors_file(tmp_path, images, capsys):
+    folder = tmp_path / "images"
+    (folder / "zz-bad.jpg").write_bytes(os.urandom(500))
+    big = str(folder / "zz-huge.png")
+    Image.new("RGB", (300, 200)).save(big)
+    out = tmp_path / "out"
+    assert tokenize(folder, "--out", out, "--max-pixels", "50000") == 1
+    err = capsys.readouterr().err
+    assert "zz-bad.jpg" in err and "listed in" in err
+    errors = errors_of(out)
+    assert [Path(entry["key"]).name for entry in errors] == ["zz-bad.jpg", "zz-huge.png"]
+    assert errors[0]["error"].startswith("UnidentifiedImageError") and "0x" not in errors[0]["error"]
+    assert errors[1]["error"].startswith("ImageTooLarge: 300 x 200")
+    assert [entry["key"] for entry in index_of(out)] == images
+
+
+# --- inputs: tars, brace patterns, lists --------------------------------------------------------
+
+
+def test_brace_expansion():
+    assert expand_braces("d-{000..002}.tar") == ["d-000.tar", "d-001.tar", "d-002.tar"]
+    assert expand_braces("d-{8..10}.tar") == ["d-8.tar", "d-9.tar", "d-10.tar"]
+    assert expand_braces("{a,b}-{0..1}") == ["a-0", "a-1", "b-0", "b-1"]
+    assert expand_braces("plain{x}.tar") == ["plain{x}.tar"]
+
+
+def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
+    good = make_tar(tmp_path / "data-000.tar", images[:5])
+    keys = make_tar(
+        tmp_path / "data-001.tar",
+        images[5:9],
+        extra=[
+            ("data-001/bad.jpg", b"\xff\xd8\xff\xe0 not really a jpeg"),  # corrupt image bytes
+            ("data-001/caption-only.txt", b"no image here"),  # a sample without an image
+            ("data-001/._hidden.jpg", b"macOS metadata"),  # hidden: ignored
+        ],
+    )
+    # A tar cut off inside its last image, and one whose second header is garbage.
+    make_tar(tmp_path / "cut.tar", images[9:11])
+    data = (tmp_path / "cut.tar").read_bytes()
+    last = scan_tar(str(tmp_path / "cut.tar"))[-1]
+    (tmp_path / "cut.tar").write_bytes(data[: last.offset + last.size // 2])
+    make_tar(tmp_path / "damaged.tar", images[11:12] * 3)
+    damaged = bytearray((tmp_path / "damaged.tar").read_bytes())
+    header = scan_tar(str(tmp_path / "damaged.tar"))[1].offset - 512  # the header of the second sample's image
+    damaged[header : header + 100] = b"\x07" * 100
+    (tmp_path / "damaged.tar").write_bytes(bytes(damaged))
+
+    out = tmp_path / "out"
+    pattern = str(tmp_path / "data-{000..001}.tar")
+    code = tokenize(pattern, tmp_path / "cut.tar", tmp_path / "damaged.tar", "--out", out, "--shard-size", "4")
+    assert code == 1
+    index = index_of(out)
+    tokenized = [entry["key"] for entry in index]
+    assert tokenized[:9] == good + keys
+    assert index[0]["member"] == "data-000/000000" + Path(images[0]).suffix
+    assert index[0]["source"] == str(tmp_path / "data-000.tar")
+    assert tokenized[9] == "cut/000000" and tokenized[10] == "damaged/000000"
+    errors = {entry["key"]: entry["error"] for entry in errors_of(out)}
+    assert errors["data-001/bad"].startswith(("UnidentifiedImageError", "OSError", "SyntaxError"))
+    assert errors["data-001/caption-only"].startswith("no image member")
+    assert "truncated" in errors["cut/000001"]
+    damaged_key = next(key for key in errors if key.startswith(str(tmp_path / "damaged.tar")))
+    assert "unreadable tar header" in errors[damaged_key]
+    assert "data-001/._hidden" not in errors and "data-001/._hidden" not in tokenized
+    # A tar sample's tokens are those of the same image as a file.
+    reader = lumenbridge.read_tokens(out)
+    torch.testing.assert_close(reader[good[2]], expected([images[2]])[0])
+
+
+def test_tar_inputs_need_a_folder_output(tmp_path, images, capsys):
+    make_tar(tmp_path / "d.tar", images[:2])
+    assert tokenize(tmp_path / "d.tar", "--out", tmp_path / "t.safetensors") == 2
+    assert "need sharded output" in capsys.readouterr().err
+
+
+def test_text_and_parquet_file_lists(tmp_path, images, capsys):
+    listing = tmp_path / "list.txt"
+    relative = [os.path.relpath(path, tmp_path) for path in images[:4]]
+    listing.write_text("# images\n" + "\n".join([relative[0], relative[1], "missing.jpg", "", *relative[2:]]) + "\n")
+    out = tmp_path / "out"
+    assert tokenize(listing, "--out", out) == 1
+    assert [entry["key"] for entry in index_of(out)] == images[:4]
+    (error,) = errors_of(out)
+    assert error["key"] == str(tmp_path / "missing.jpg") and error["error"].startswith("FileNotFoundError")
+
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"path": images[4:8], "caption": ["x"] * 4}), tmp_path / "list.parquet")
+    assert tokenize(tmp_path / "list.parquet", "--out", tmp_path / "out2") == 0
+    assert [entry["key"] for entry in index_of(tmp_path / "out2")] == images[4:8]
+
+
+def test_a_missing_list_file_is_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert tokenize(tmp_path / "nowhere.txt", "--out", out) == 2
+    assert "nowhere.txt" in capsys.readouterr().err
+    assert not out.exists() or os.listdir(out) == []
+
+
+# --- the output folder: refusing, overwriting, continuing -------------------------------------
+
+
+def test_a_folder_with_other_files_is_refused_and_left_alone(tmp_path, images, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert tokenize(*images, "--out", out, "--overwrite") == 2
+    assert "did not write (notes.txt)" in capsys.readouterr().err
+    assert os.listdir(out) == ["notes.txt"]
+    # An input folder is such a folder too: nothing is written among the images.
+    assert tokenize(tmp_path / "images", "--out", tmp_path / "images") == 2
+    assert sorted(os.listdir(tmp_path / "images")) == sorted(os.path.basename(path) for path in images)
+
+
+def test_a_folder_of_a_different_run_is_refused(tmp_path, images, capsys):
+    out = tmp_path / "out"
+    assert tokenize(*images[:6], "--out", out) == 0
+    before = tree(out)
+    assert tokenize(*images[:7], "--out", out) == 2
+    err = capsys.readouterr().err
+    assert "holds a different run" in err and "inputs: DIR holds a run over 6 images" in err
+    assert "--overwrite" in err
+    assert (
+        cli.main(
+            [
+                "tokenize",
+                *images[:6],
+                "--out",
+                str(out),
+                *FAST[:-4],
+                "--image-size",
+                "48",
+                "--workers",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
+    assert "image_size: DIR has 32, this command 48" in capsys.readouterr().err
+    assert tree(out) == before
+    # The same run again is complete already: nothing changes.
+    assert tokenize(*images[:6], "--out", out) == 0
+    assert "0 written now, 1 already done" in capsys.readouterr().out
+    assert tree(out) == before
+    # --overwrite starts afresh.
+    assert tokenize(*images[:7], "--out", out, "--overwrite") == 0
+    assert len(index_of(out)) == 7
+
+
+def test_a_different_batch_size_continues_only_with_allow_mixed(tmp_path, images, capsys):
+    out = tmp_path / "out"
+    assert tokenize(*images, "--out", out, "--batch-size", "4") == 0
+    assert tokenize(*images, "--out", out, "--batch-size", "3") == 2
+    assert "--allow-mixed" in capsys.readouterr().err
+    assert tokenize(*images, "--out", out, "--batch-size", "3", "--allow-mixed") == 0
+
+
+def test_an_unwritable_folder_fails_before_any_work(tmp_path, images, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the output was checked"))
+    monkeypatch.setattr(shards, "create_output_dir", lambda path: (_ for _ in ()).throw(shards.OutputError("no room")))
+    assert tokenize(*images, "--out", tmp_path / "out") == 2
+    assert "no room" in capsys.readouterr().err
+
+
+def test_options_that_need_one_file_or_a_folder(tmp_path, images, monkeypatch, capsys):
+    assert tokenize(*images, "--out", tmp_path / "out", "--max-tokens", "16", "--image-size", "32") == 2
+    assert tokenize(*images, "--out", tmp_path / "t.safetensors", "--decode", "gpu") == 2
+    assert "--decode gpu writes sharded output" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert tokenize(*images, "--out", tmp_path / "out", "--decode", "gpu") == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert tokenize(*images, "--out", tmp_path / "t.safetensors") == 2
+    assert "under torchrun, --out must be a folder" in capsys.readouterr().err
+
+
+def test_reading_an_incomplete_run_says_so(tmp_path, images):
+    out = tmp_path / "out"
+    assert tokenize(*images, "--out", out, "--shard-size", "5") == 0
+    os.unlink(out / "index.jsonl")
+    os.unlink(out / "tokens-00001-of-00003.safetensors")
+    with pytest.raises(FileNotFoundError, match="2 of 3 shards"):
+        lumenbridge.read_tokens(out)
+
+
+# --- killed and resumed: the same bytes --------------------------------------------------------
+
+
+def run_cli(arguments, **env):
+    return subprocess.run(
+        [*COMMAND, "tokenize", *map(str, arguments)],
+        env=environment(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """Files and a tar, with one unreadable image: 39 samples, 8 shards of 5."""
+    make_images(tmp_path / "images", 24)
+    (tmp_path / "images" / "0010-bad.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    make_tar(tmp_path / "data.tar", make_images(tmp_path / "for-tar", 14, start=100))
+    return [tmp_path / "images", tmp_path / "data.tar"]
+
+
+def test_a_run_killed_at_any_point_resumes_to_the_same_bytes(tmp_path, dataset):
+    common = [*dataset, *FAST[:-4], "--image-size", "32", "--device", "cpu", "--shard-size", "5", "--batch-size", "2"]
+    reference = tmp_path / "reference"
+    done = run_cli([*common, "--workers", "0", "--out", reference])
+    assert done.returncode == 1, done.stderr  # the bad image is skipped
+    expected_tree = tree(reference)
+    assert len([name for name in expected_tree if name.endswith(".safetensors")]) == 8
+    for point in ("decode:2", "write:3", "commit:1", "after:0", "index:run"):
+        out = tmp_path / point.replace(":", "-")
+        killed = run_cli([*common, "--workers", "2", "--out", out], **{pipeline.KILL_ENV: point})
+        assert killed.returncode == -9, (point, killed.stderr)
+        assert not (out / "index.jsonl").exists()
+        if point != "index:run":  # killed inside a shard: its staging folder is left
+            assert any(name.startswith(".lumenbridge-partial-") for name in os.listdir(out)), point
+        resumed = run_cli([*common, "--workers", "1", "--out", out])
+        assert resumed.returncode == 1, (point, resumed.stderr)
+        assert "already done" in resumed.stdout
+        assert tree(out) == expected_tree, point  # no partial folder, no missing or extra byte
+
+
+# --- torchrun ----------------------------------------------------------------------------------
+
+
+def test_torchrun_two_processes_match_one(tmp_path, dataset):
+    common = [*dataset, *FAST[:-4], "--image-size", "32", "--device", "cpu", "--shard-size", "6", "--batch-size", "4"]
+    single = run_cli([*common, "--workers", "1", "--out", tmp_path / "single"])
+    assert single.returncode == 1, single.stderr
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "lumenbridge",
+            "tokenize",
+            *map(str, common),
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr  # under torchrun skipped images do not fail the job
+    assert "2 on cpu" in run.stdout and run.stdout.count("tokenized ") == 1  # one summary, from rank 0
+    single_index = (tmp_path / "single" / "index.jsonl").read_bytes()
+    assert (tmp_path / "two" / "index.jsonl").read_bytes() == single_index
+    one, two = lumenbridge.read_tokens(tmp_path / "single"), lumenbridge.read_tokens(tmp_path / "two")
+    for (key_one, tokens_one, _), (key_two, tokens_two, _) in zip(one, two, strict=True):
+        assert key_one == key_two and torch.equal(tokens_one, tokens_two)
+    assert tree(tmp_path / "two") == tree(tmp_path / "single")
+
+
+# --- the GPU decode path (its logic on the CPU here; on CUDA in gpu_check) ---------------------
+
+
+def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, monkeypatch):
+    pytest.importorskip("torchvision")
+    (tmp_path / "images" / "zz-broken.jpg").write_bytes(Path(images[1]).read_bytes()[:200])  # header fine, data cut
+    monkeypatch.setattr(cli, "check_gpu_decode", lambda device: None)
+    out_gpu, out_cpu = tmp_path / "gpu", tmp_path / "cpu"
+    assert tokenize(tmp_path / "images", "--out", out_gpu, "--decode", "gpu", "--batch-size", "5") == 1
+    assert tokenize(tmp_path / "images", "--out", out_cpu, "--batch-size", "5") == 1
+    index_gpu, index_cpu = index_of(out_gpu), index_of(out_cpu)
+    assert [entry["key"] for entry in index_gpu] == [entry["key"] for entry in index_cpu] == images
+    assert [entry["key"] for entry in errors_of(out_gpu)] == [str(tmp_path / "images" / "zz-broken.jpg")]
+    gpu, cpu = lumenbridge.read_tokens(out_gpu), lumenbridge.read_tokens(out_cpu)
+    for path in images:
+        if path.endswith(".png"):  # not a JPEG: decoded on the CPU either way
+            assert torch.equal(gpu[path], cpu[path])
+        else:  # another decoder and resampler: close, not equal
+            assert torch.nn.functional.cosine_similarity(gpu[path].flatten(), cpu[path].flatten(), dim=0) > 0.9
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_gpu_end_to_end_on_cuda(tmp_path, images):
+    pytest.importorskip("torchvision")
+    out_gpu, out_cpu = tmp_path / "gpu", tmp_path / "cpu"
+    small = ["--preset", SMALL, "--image-size", "32", "--workers", "2", "--device", "cuda"]
+    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_gpu), "--decode", "gpu", *small]) == 0
+    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_cpu), *small]) == 0
+    gpu, cpu = lumenbridge.read_tokens(out_gpu), lumenbridge.read_tokens(out_cpu)
+    assert [key for key, _, _ in gpu] == images
+    for path in images:
+        assert gpu[path].dtype == torch.bfloat16
+        similarity = torch.nn.functional.cosine_similarity(
+            gpu[path].float().flatten(), cpu[path].float().flatten(), dim=0
+        )
+        assert similarity > 0.9, path

@@ -1,0 +1,119 @@
+"""The --decode gpu preprocessing (lumenbridge.gpu_decode): EXIF orientation,
+batched resize and crop, decode fallbacks. The functions run on the CPU too,
+so their logic is checked here without a GPU; the CUDA tests skip without one."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from lumenbridge.images import preprocess, to_tensor
+from lumenbridge.pipeline import SampleDataset
+from lumenbridge.sources import Sample
+
+torchvision = pytest.importorskip("torchvision")
+from lumenbridge.gpu_decode import crop_resize, decode_jpegs, orient, sampling_ratio
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 2 + y) % 256, (y * 3) % 256, ((x - y) * 2) % 256], -1).astype(float)
+    base = base + rng.normal(0, 6, base.shape)
+    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+
+
+def jpeg_bytes(image: Image.Image, orientation: int = 1) -> bytes:
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    image.save(buffer, "JPEG", quality=95, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orient_matches_pillow_exif_transpose(orientation):
+    image = photo(7, 5)
+    tagged = Image.open(io.BytesIO(jpeg_bytes(image, orientation)))
+    tagged.load()
+    want = to_tensor(ImageOps.exif_transpose(tagged).convert("RGB"))
+    got = orient(to_tensor(tagged.convert("RGB")), orientation)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("size", [(300, 200), (200, 333), (64, 64), (1000, 700), (20, 30)])
+def test_crop_resize_is_close_to_the_cpu_preprocessing(size):
+    image = photo(*size)
+    want = preprocess(image, 32, 37).float()
+    got = crop_resize([to_tensor(image)], 32, 37)
+    assert got.shape == (1, 3, 32, 32) and got.dtype == torch.uint8
+    # Another filter (bilinear box average, not bicubic), the same geometry.
+    assert (got[0].float() - want).abs().mean() < 6
+
+
+def test_crop_resize_of_a_batch_equals_each_image_alone():
+    # Images of different sizes share a zero-padded canvas: none may read the padding.
+    images = [to_tensor(photo(w, h, seed)) for seed, (w, h) in enumerate([(300, 200), (64, 90), (120, 120), (37, 37)])]
+    together = crop_resize(images, 32, 37)
+    for position, image in enumerate(images):
+        assert torch.equal(together[position], crop_resize([image], 32, 37)[0])
+
+
+def test_sampling_ratio_keeps_samples_inside_the_image():
+    assert sampling_ratio(1.0) == 1 and sampling_ratio(1.99) == 1 and sampling_ratio(2.0) == 2
+    assert sampling_ratio(100.0) == 8
+
+
+def test_a_bad_jpeg_in_a_batch_costs_only_itself():
+    good = torch.frombuffer(bytearray(jpeg_bytes(photo(40, 30))), dtype=torch.uint8)
+    bad = good[:100].clone()
+    decoded = decode_jpegs([good, bad, good], torch.device("cpu"))
+    assert decoded[1] is None
+    assert decoded[0].shape == decoded[2].shape == (3, 30, 40)
+
+
+def test_the_dataset_hands_jpegs_to_the_gpu_and_decodes_the_rest(tmp_path):
+    rotated = tmp_path / "rotated.jpg"
+    rotated.write_bytes(jpeg_bytes(photo(60, 40), orientation=6))
+    png = tmp_path / "flat.png"
+    photo(50, 50).save(png)
+    cmyk = tmp_path / "cmyk.jpg"
+    photo(50, 50).convert("CMYK").save(cmyk)
+    plan = [Sample(str(path), str(path)) for path in (rotated, png, cmyk)]
+    dataset = SampleDataset(plan, 32, 37, gpu=True)
+    jpeg, flat, inked = dataset[0], dataset[1], dataset[2]
+    assert jpeg.encoded is not None and jpeg.orientation == 6 and jpeg.size == (60, 40)
+    assert flat.encoded is None and flat.pixels.shape == (3, 32, 32)
+    assert inked.encoded is None and inked.pixels is not None  # CMYK: the CPU decodes it
+    # Decoded, oriented, resized and cropped like the CPU path does it.
+    (decoded,) = decode_jpegs([jpeg.encoded], torch.device("cpu"))
+    got = crop_resize([orient(decoded, jpeg.orientation)], 32, 37)[0].float()
+    want = SampleDataset(plan, 32, 37)[0].pixels.float()
+    assert (got - want).abs().mean() < 6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_nvjpeg_decode_resize_on_cuda_matches_the_cpu():
+    device = torch.device("cuda")
+    data = [
+        torch.frombuffer(bytearray(jpeg_bytes(photo(w, h, s))), dtype=torch.uint8)
+        for s, (w, h) in enumerate([(300, 200), (480, 640), (64, 64)])
+    ]
+    data.append(data[0][:200].clone())  # broken: decoded one by one after the batch fails
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        decoded = decode_jpegs(data, device)
+        assert decoded[3] is None
+        on_gpu = crop_resize(decoded[:3], 32, 37)
+    stream.synchronize()
+    on_cpu = crop_resize(decode_jpegs(data[:3], torch.device("cpu")), 32, 37)
+    assert on_gpu.device.type == "cuda"
+    assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean() < 3

@@ -12,7 +12,9 @@ Floors: the pointwise FLOPs at the measured bf16 matmul rate, and the bytes
 of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
 
 Each row also records peak forward memory above the inputs
-(torch.cuda.max_memory_allocated). Usage:
+(torch.cuda.max_memory_allocated). At B=256 bf16 224² it also times one
+training step (forward + backward of a fixed cotangent to every parameter)
+of LumenBridge and of the eager plain module. Usage:
   python benchmarks/bench_fused.py --out DIR [--quick] [--providers NAME ...]
 --quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
 --providers keeps only the named providers (the floors always stay).
@@ -129,6 +131,46 @@ def providers(model: VisualTokenizer, batch: int):
     return result
 
 
+def training_step(fn, parameters: list[torch.Tensor], x: torch.Tensor, cotangent: torch.Tensor):
+    """One training step of fn's parameters: forward, then backward of a fixed
+    cotangent to every parameter (gradients reset each time)."""
+
+    def step():
+        for p in parameters:
+            p.grad = None
+        fn(x).backward(cotangent)
+
+    return step
+
+
+def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str, x: torch.Tensor) -> list[dict]:
+    """Training-step time and peak memory (forward + backward) of LumenBridge
+    and the eager plain module, same weights, float input."""
+    model.train()
+    plain = PlainTokenizer(model)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    cotangent = torch.randn_like(model(x))
+    rows = []
+    for name, fn in (("lumenbridge train", model), ("eager train", plain)):
+        step = training_step(fn, parameters, x, cotangent)
+        ms = median_ms(step, warmup=5, repeats=20)
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "batch": batch,
+                "side": side,
+                "provider": name,
+                "input": "float",
+                "ms": ms,
+                "peak_mb": peak_mb(step, x),
+                "path": "",
+            }
+        )
+        print(f"{dtype_name} B={batch} {side} {name}: {ms:.4f} ms", flush=True)
+    model.eval()
+    return rows
+
+
 def run(quick: bool, keep: list[str] | None) -> dict:
     env = environment()
     copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
@@ -169,6 +211,8 @@ def run(quick: bool, keep: list[str] | None) -> dict:
                     }
                 )
                 print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
+        if dtype_name == "bf16" and batch == 256 and side == 224:
+            rows += training_rows(model, batch, side, dtype_name, inputs["float"])
         floors = floors_ms(config, batch, side, copy_gbs, tflops)
         rows += [
             {
@@ -203,11 +247,12 @@ def markdown(result: dict) -> str:
     ]
     rows = result["rows"]
     for r in rows:
+        reference = "lumenbridge train" if r["provider"].endswith(" train") else "lumenbridge"
         ours = next(
             (
                 o["ms"]
                 for o in rows
-                if o["provider"] == "lumenbridge"
+                if o["provider"] == reference
                 and o["input"] == (r["input"] or "float")
                 and (o["dtype"], o["batch"], o["side"]) == (r["dtype"], r["batch"], r["side"])
             ),
@@ -229,7 +274,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["dtype"] == "bf16" and r["input"] in ("float", "")]
+    rows = [
+        r
+        for r in result["rows"]
+        if r["dtype"] == "bf16" and r["input"] in ("float", "") and not r["provider"].endswith(" train")
+    ]
     cases = sorted({(r["batch"], r["side"]) for r in rows}, key=lambda c: (c[1], c[0]))
     names = [p for p in dict.fromkeys(r["provider"] for r in rows)]
     fig, ax = plt.subplots(figsize=(10, 5))

@@ -47,14 +47,15 @@ at::Tensor pointwise(const at::Tensor& d, const TokenizeStage& s) {
   return from_rows(at::addmm(s.pw_bias, rows(d), pointwise_matrix(s).t()), d.size(0), d.size(2), d.size(3));
 }
 
-at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& pre, Activation activation) {
+// The activation's backward, written over `grad` (a stage-sized buffer the
+// backward no longer needs), so no second one is allocated.
+void activation_backward_(at::Tensor& grad, const at::Tensor& pre, Activation activation) {
   switch (activation) {
-    case Activation::GELU: return at::gelu_backward(grad, pre);  // the erf form, as in the forward
-    case Activation::RELU: return at::threshold_backward(grad, pre, 0);
-    case Activation::SILU: return at::silu_backward(grad, pre);
-    case Activation::NONE: return grad;
+    case Activation::GELU: at::gelu_backward_out(grad, grad, pre); return;  // the erf form, as in the forward
+    case Activation::RELU: at::threshold_backward_out(grad, grad, pre, 0); return;
+    case Activation::SILU: at::silu_backward_out(grad, grad, pre); return;
+    case Activation::NONE: return;
   }
-  return grad;
 }
 
 struct AffineGrads {
@@ -131,13 +132,43 @@ std::vector<at::Tensor> pointwise_outputs(const at::Tensor& x0, const TokenizePr
   return outputs;
 }
 
+// One stage's backward. `grad` is the gradient of the stage's normed output,
+// `output` its pointwise output and `input` its input (both taken over, so
+// they are released as soon as they are used). The parameters' gradients go
+// into `grads`; returns the gradient of the input, undefined when the first
+// stage needs none.
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, size_t i,
+                          const TokenizeProblem& p, TokenizeGradMask mask, const DepthwiseKernels& kernels,
+                          TokenizeGrads& grads) {
+  const TokenizeStage& s = p.stages[i];
+  AffineGrads norm = stage_norm_backward(grad, output, s, p, mask.parameters);
+  grad.reset();
+  output.reset();
+  if (mask.parameters && p.stage_norm != StageNorm::NONE) {
+    grads.norm_weights[i] = norm.weight;
+    grads.norm_biases[i] = norm.bias;
+  }
+  const at::Tensor g_p = rows(norm.input);
+  norm.input.reset();
+  const DepthwiseProblem dw = stage_depthwise_problem(p, i, Layout::NHWC);
+  const at::Tensor g_d = from_rows(at::mm(g_p, pointwise_matrix(s)), p.N, s.out_h, s.out_w);
+  if (mask.parameters) {
+    const at::Tensor d = kernels.forward(input, s.dw_weight, s.dw_bias, dw);
+    grads.pw_weights[i] = at::mm(g_p.t(), rows(d)).view({s.out_channels, s.in_channels, 1, 1});
+    grads.pw_biases[i] = row_sum(g_p, p.dtype);
+    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, input, dw);
+  }
+  if (i == 0 && !mask.images) return at::Tensor();
+  return kernels.backward_input(g_d, s.dw_weight, dw);
+}
+
 }  // namespace
 
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
                                          const DepthwiseKernels& kernels) {
   const size_t S = p.stages.size();
-  const at::Tensor x0 = channels_last(normalized_images(images, p));
+  at::Tensor x0 = channels_last(normalized_images(images, p));
   std::vector<at::Tensor> outputs = pointwise_outputs(x0, p, kernels);
   TokenizeGrads grads;
   if (mask.parameters) {
@@ -150,7 +181,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     }
   }
 
-  // g: the gradient with respect to the current stage's output after its norm.
+  // g: the gradient of the current stage's output after its norm.
   at::Tensor g = token_grad_map(grad_tokens, p);
   if (p.has_token_norm()) {
     const at::Tensor last = apply_stage_norm(outputs.back(), p.stages.back(), p);
@@ -160,33 +191,19 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     grads.token_norm_bias = token.bias;
   }
   for (size_t i = S; i-- > 0;) {
-    const TokenizeStage& s = p.stages[i];
-    AffineGrads norm = stage_norm_backward(g, outputs[i], s, p, mask.parameters);
-    outputs[i].reset();  // no later step reads this stage's output
-    if (mask.parameters && p.stage_norm != StageNorm::NONE) {
-      grads.norm_weights[i] = norm.weight;
-      grads.norm_biases[i] = norm.bias;
-    }
-    const at::Tensor g_p = rows(norm.input);
+    // The stage input, rebuilt from the previous stage's output (needed for
+    // the weight gradients); the normed output also gives the activation's backward.
     const at::Tensor previous = i > 0 ? apply_stage_norm(outputs[i - 1], p.stages[i - 1], p) : at::Tensor();
-    const DepthwiseProblem dw = stage_depthwise_problem(p, i, Layout::NHWC);
-    const at::Tensor g_d = from_rows(at::mm(g_p, pointwise_matrix(s)), p.N, s.out_h, s.out_w);
-    if (mask.parameters) {
-      // The stage input, rebuilt from the previous stage's output, and its depthwise output.
-      const at::Tensor x = i > 0 ? channels_last(activate(previous, p.activation)) : x0;
-      const at::Tensor d = kernels.forward(x, s.dw_weight, s.dw_bias, dw);
-      grads.pw_weights[i] = at::mm(g_p.t(), rows(d)).view({s.out_channels, s.in_channels, 1, 1});
-      grads.pw_biases[i] = row_sum(g_p, p.dtype);
-      std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, x, dw);
-    }
-    if (i == 0 && !mask.images) break;
-    const at::Tensor g_x = kernels.backward_input(g_d, s.dw_weight, dw);
-    if (i == 0) {
+    at::Tensor input;
+    if (mask.parameters) input = i > 0 ? channels_last(activate(previous, p.activation)) : std::move(x0);
+    at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(input), i, p, mask, kernels, grads);
+    if (i > 0) {
+      activation_backward_(g_x, previous, p.activation);
+      g = std::move(g_x);
+    } else if (mask.images) {
       // Padding was added after normalization: its gradient is dropped.
       grads.images = g_x.narrow(2, 0, p.H).narrow(3, 0, p.W).contiguous(
           p.layout == Layout::NHWC ? kChannelsLast : at::MemoryFormat::Contiguous);
-    } else {
-      g = activation_backward(g_x, previous, p.activation);
     }
   }
   return grads;

@@ -71,7 +71,7 @@ def worst_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

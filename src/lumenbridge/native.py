@@ -100,9 +100,8 @@ def _tokenize_backward_fake(
 
 def _tokenize_setup(ctx, inputs, output):
     """Save the inputs and nothing else: the backward recomputes the activations."""
-    images, dw_weights, dw_biases, pw_weights, pw_biases, _, _, _, norm_weights, norm_biases, token_w, token_b = inputs[
-        :12
-    ]
+    images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
+    norm_weights, norm_biases, token_w, token_b = inputs[8:12]
     ctx.save_for_backward(
         images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b
     )
@@ -133,25 +132,8 @@ def _tokenize_backward(ctx, grad):
     dw_w, dw_b, pw_w, pw_b, norm_w, norm_b = parameter_grads
     token_w, token_b = grad_token_norm or (None, None)
     image = grad_images[0] if grad_images else None
-    return (
-        image,
-        dw_w,
-        dw_b,
-        pw_w,
-        pw_b,
-        None,
-        None,
-        None,
-        norm_w,
-        norm_b,
-        token_w,
-        token_b,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    # None for the options: strides, activation, stage_norm; eps, mean, std, padded_size, output_fmt.
+    return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
 
 
 def _no_double_backward(ctx, *grads):
@@ -327,4 +309,7 @@ def tokenize_path(device_type: str, cfg, dtype: torch.dtype) -> str:
 
 def tokenize_backward_path(device_type: str) -> str:
     """How tokenize_backward runs on a device (the same composition on every device, for now)."""
-    return "lumenbridge::tokenize_backward, composed from the per-layer kernels and ATen; it recomputes the forward from the saved inputs"
+    return (
+        "lumenbridge::tokenize_backward, composed from the per-layer kernels and ATen; "
+        "it recomputes the forward from the saved inputs"
+    )

@@ -35,15 +35,14 @@ def assert_within(reports):
     assert not failed, failed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_cpu_gradients_match_float64_reference(case, native_ops):
-    assert_within(compare_gradients_to_float64(case.model(), case.images(), op, torch.float32, "cpu"))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
-def test_cuda_gradients_within_pytorch_error(case, dtype, device, cuda_kernels):
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, request):
+    """Image gradients within 2x, parameter gradients within 3x the error of
+    PyTorch's own autograd in the same dtype, plus the dtype's rounding floor."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
     assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
 
 

@@ -114,9 +114,9 @@ def all_gradients(model, images):
     return grads + ([images.grad.clone()] if images.requires_grad else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", device_params())
-def test_gradients_are_bitwise_deterministic(device, native_ops):
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+def test_gradients_are_bitwise_deterministic(device, dtype, native_ops):
     for name in ("base-float-channels-last", "layernorm-stages", "batch-64"):
         case = case_named(name)
         model = case.model().to(device, dtype)

@@ -14,8 +14,10 @@ between a block's tile buffers runs under the tools too.
 Then the fused tokenize kernels, on the shared sample cases
 (lumenbridge.testing.tokenize_cases: every K, stride pattern, activation,
 input kind, layout, output format and odd width) in bfloat16, and the base
-preset in float16. --fused-only skips the depthwise kernels, unchanged since
-their last sanitizer run.
+preset in float16. Last, the tokenize backward (composed over the depthwise
+kernels, in the tokenizer's channels-last shapes, 3-channel images included) on
+the same cases in bfloat16. --fused-only skips the depthwise kernels' own
+variants, unchanged since their last sanitizer run.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py [--fused-only]
 """
 
@@ -59,5 +61,10 @@ for case, dtype in FUSED_CASES:
     images = case.images().to("cuda")
     with torch.inference_mode():
         native.tokenize(images if images.dtype == torch.uint8 else images.to(dtype), model)
+for case in tokenize_cases():
+    model = case.model().to("cuda", torch.bfloat16)
+    images = case.images().to("cuda")
+    images = images if images.dtype == torch.uint8 else images.to(torch.bfloat16).requires_grad_(True)
+    native.tokenize(images, model).float().sum().backward()
 torch.cuda.synchronize()
 print("sanitize_kernels: all variants ran")

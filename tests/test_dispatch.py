@@ -61,8 +61,9 @@ def test_report_lists_implementations_and_choices(native_ops):
     assert report.implementations["reference"].startswith("available on cpu")
     assert report.implementations["native"].startswith("available on cpu")
     assert report.selection["cpu NCHW"] == "native" and report.selection["cpu NHWC"] == "reference"
+    assert report.backward_paths["cpu"].startswith("native: lumenbridge::tokenize_backward")
     text = str(report)
-    assert "reference" in text and "native" in text and "cpu NHWC" in text
+    assert "reference" in text and "native" in text and "cpu NHWC" in text and "tokenizer backward" in text
 
 
 def test_state_dict_keys_do_not_depend_on_the_backend(native_ops):

@@ -62,6 +62,10 @@ class Backend:
         """How tokenize runs this configuration and dtype on the device, for reports."""
         return "layer by layer in PyTorch"
 
+    def backward_path(self, device_type: str) -> str:
+        """How training gradients of the tokenizer are computed on the device, for reports."""
+        return "PyTorch autograd, layer by layer"
+
     def depthwise_conv2d(self, input, weight, bias, stride):
         raise NotImplementedError
 
@@ -82,9 +86,10 @@ class ReferenceBackend(Backend):
 
 class NativeBackend(Backend):
     """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize (fused
-    kernels on CUDA). Calls that need what the op does not provide yet run
-    layer by layer, depthwise convolutions through the native kernels and
-    pointwise ones through PyTorch: see layer_reason."""
+    kernels on CUDA), for inference and training alike: the op has a backward
+    (lumenbridge::tokenize_backward) and an autocast rule. Calls the op cannot
+    express run layer by layer, depthwise convolutions through the native
+    kernels and pointwise ones through PyTorch: see layer_reason."""
 
     name = "native"
 
@@ -96,16 +101,15 @@ class NativeBackend(Backend):
     @staticmethod
     def layer_reason(images, model) -> str | None:
         """Why this call cannot use the one op, or None when it can."""
-        if torch.is_grad_enabled() and (images.requires_grad or any(p.requires_grad for p in model.parameters())):
-            return "a gradient is needed (the op's backward is not implemented yet)"
-        if torch.is_autocast_enabled(images.device.type):
-            return "autocast is on (the op has no autocast rule yet)"
         if model.config.stage_norm == "batchnorm" and model.training:
             return "BatchNorm in training mode needs batch statistics"
         return None
 
     def tokenize_path(self, device_type: str, config, dtype: torch.dtype) -> str:
         return native.tokenize_path(device_type, config, dtype)
+
+    def backward_path(self, device_type: str) -> str:
+        return native.tokenize_backward_path(device_type)
 
     def depthwise_conv2d(self, input, weight, bias, stride):
         # Under autocast, PyTorch's own convolutions run in the autocast dtype
@@ -179,6 +183,7 @@ class BackendReport:
     implementations: dict[str, str]
     selection: dict[str, str]
     paths: dict[str, str]
+    backward_paths: dict[str, str]
 
     def __str__(self) -> str:
         lines = ["implementations:"]
@@ -187,8 +192,13 @@ class BackendReport:
         lines += [f"  {device:<10} {name}" for device, name in self.selection.items()]
         if os.environ.get(BACKEND_ENV):
             lines.append(f"  ({BACKEND_ENV}={os.environ[BACKEND_ENV]} is set)")
-        lines.append("tokenizer path (device, preset, dtype -> how the selected backend runs inference):")
+        lines.append(
+            "tokenizer path (device, preset, dtype -> how the selected backend runs the forward, in inference "
+            "and training; BatchNorm stage norms in training mode run layer by layer):"
+        )
         lines += [f"  {case:<36} {path}" for case, path in self.paths.items()]
+        lines.append("tokenizer backward (device -> how the selected backend computes training gradients):")
+        lines += [f"  {device:<10} {path}" for device, path in self.backward_paths.items()]
         return "\n".join(lines)
 
 
@@ -218,22 +228,24 @@ def backends() -> BackendReport:
                 selection[f"{device} {layout}"] = select_backend(device, channels_last=channels_last).name
             except (ValueError, RuntimeError) as error:
                 selection[f"{device} {layout}"] = f"error: {error}"
-    return BackendReport(implementations, selection, tokenizer_paths(devices))
+    return BackendReport(implementations, selection, *tokenizer_paths(devices))
 
 
-def tokenizer_paths(devices: list[str]) -> dict[str, str]:
-    """For each device, preset and dtype: the backend chosen (NCHW input) and how it runs."""
+def tokenizer_paths(devices: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """For each device, preset and dtype: the backend chosen (NCHW input) and
+    how it runs the forward; and for each device, how it runs the backward."""
     from .config import PRESETS
 
-    paths = {}
+    paths, backward_paths = {}, {}
     for device in devices:
         try:
             backend = select_backend(device)
         except (ValueError, RuntimeError) as error:
-            paths[device] = f"error: {error}"
+            paths[device] = backward_paths[device] = f"error: {error}"
             continue
+        backward_paths[device] = f"{backend.name}: {backend.backward_path(device)}"
         for preset, config in PRESETS.items():
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 name = str(dtype).removeprefix("torch.")
                 paths[f"{device} {preset} {name}"] = f"{backend.name}: {backend.tokenize_path(device, config, dtype)}"
-    return paths
+    return paths, backward_paths

@@ -185,8 +185,9 @@ class VisualTokenizer(nn.Module):
 
     def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:
         """The tokens of already checked images, layer by layer, each convolution
-        through `backend`: the composition the fused op must match, and the
-        path gradients take."""
+        through `backend`: the composition the op and its backward must match,
+        and the path of the reference backend (and of BatchNorm stage norms in
+        training mode on the native one)."""
         tokens = self.token_norm(self._features(images, backend).permute(0, 2, 3, 1))  # [B, h, w, D]
         fmt = self.config.output_fmt
         if fmt == "NHWC":

@@ -1,7 +1,8 @@
 """The Python half of torch.ops.lumenbridge: fake (meta) kernels, so that
-torch.compile can trace the ops, and autograd formulas for all three ops, so
-gradients of any order flow through the native kernels. The C++ half
-(schemas, checks, kernels) is in csrc/; extension.py builds and loads it."""
+torch.compile can trace the ops, and autograd formulas: the three depthwise
+ops, each another one's gradient, give gradients of any order; tokenize's
+backward is the op tokenize_backward (first order only). The C++ half
+(schemas, checks, kernels, autocast) is in csrc/; extension.py builds and loads it."""
 
 from __future__ import annotations
 
@@ -58,10 +59,87 @@ def _tokenize_fake(
     return dw_weights[0].new_empty(shape)
 
 
+def _tokenize_backward_fake(
+    grad_tokens,
+    images,
+    dw_weights,
+    dw_biases,
+    pw_weights,
+    pw_biases,
+    strides,
+    activation,
+    stage_norm,
+    norm_weights,
+    norm_biases,
+    token_norm_weight,
+    token_norm_bias,
+    eps,
+    mean,
+    std,
+    padded_size,
+    output_fmt,
+    output_mask,
+):
+    images_grad, parameters_grad = output_mask
+
+    def like(tensors):
+        return [t.new_empty(t.shape) for t in tensors if t is not None] if parameters_grad else []
+
+    grad_images = [images.new_empty(images.shape).contiguous(memory_format=memory_format_of(images))]
+    return (
+        grad_images if images_grad else [],
+        like(dw_weights),
+        like(dw_biases),
+        like(pw_weights),
+        like(pw_biases),
+        like(norm_weights),
+        like(norm_biases),
+        like([token_norm_weight, token_norm_bias]),
+    )
+
+
+def _tokenize_setup(ctx, inputs, output):
+    """Save the inputs and nothing else: the backward recomputes the activations."""
+    images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
+    norm_weights, norm_biases, token_w, token_b = inputs[8:12]
+    ctx.save_for_backward(
+        images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b
+    )
+    ctx.counts = len(dw_weights), len(norm_weights)
+    ctx.options = inputs[5:8], inputs[12:]  # (strides, activation, stage_norm), (eps, ..., output_fmt)
+
+
 def _tokenize_backward(ctx, grad):
+    stages, norms = ctx.counts
+    images, *saved = ctx.saved_tensors
+    groups = []
+    for length in (stages, stages, stages, stages, norms, norms):
+        groups.append(saved[:length])
+        saved = saved[length:]
+    dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases = groups
+    token_w, token_b = saved
+    stage_options, other_options = ctx.options
+    needs = ctx.needs_input_grad
+    parameters_grad = any(any(n) if isinstance(n, list) else n for n in (*needs[1:5], *needs[8:12]))
+    mask = [needs[0], parameters_grad]
+    grads = ops.tokenize_backward(
+        grad, images, dw_weights, dw_biases, pw_weights, pw_biases, *stage_options,
+        norm_weights, norm_biases, token_w, token_b, *other_options, mask,
+    )  # fmt: skip
+    grad_images, *parameter_grads, grad_token_norm = grads
+    if not parameters_grad:
+        parameter_grads = [[None] * len(group) for group in groups]
+    dw_w, dw_b, pw_w, pw_b, norm_w, norm_b = parameter_grads
+    token_w, token_b = grad_token_norm or (None, None)
+    image = grad_images[0] if grad_images else None
+    # None for the options: strides, activation, stage_norm; eps, mean, std, padded_size, output_fmt.
+    return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
+
+
+def _no_double_backward(ctx, *grads):
     raise RuntimeError(
-        "LumenBridge: lumenbridge::tokenize has no backward yet; VisualTokenizer computes gradients "
-        "through the per-layer kernels instead (it never calls tokenize when a gradient is needed)"
+        "LumenBridge: lumenbridge::tokenize supports first-order gradients only (lumenbridge::tokenize_backward "
+        "has no derivative); for double backward, build the VisualTokenizer with backend='reference'"
     )
 
 
@@ -158,9 +236,9 @@ def register_python_kernels() -> None:
         torch.library.register_fake(f"lumenbridge::{name}", fake)
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
     torch.library.register_fake("lumenbridge::tokenize", _tokenize_fake)
-    torch.library.register_autograd(
-        "lumenbridge::tokenize", _tokenize_backward, setup_context=lambda ctx, inputs, output: None
-    )
+    torch.library.register_autograd("lumenbridge::tokenize", _tokenize_backward, setup_context=_tokenize_setup)
+    torch.library.register_fake("lumenbridge::tokenize_backward", _tokenize_backward_fake)
+    torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)
 
 
 def ready() -> bool:
@@ -227,3 +305,11 @@ def tokenize_path(device_type: str, cfg, dtype: torch.dtype) -> str:
         return "composed: the CPU kernels and ATen, one op call"
     norm = "affine" if cfg.stage_norm == "batchnorm" else cfg.stage_norm
     return ops.tokenize_path(dtype, cfg.in_chans, list(cfg.stage_widths), cfg.kernel_size, list(cfg.strides), norm)
+
+
+def tokenize_backward_path(device_type: str) -> str:
+    """How tokenize_backward runs on a device (the same composition on every device, for now)."""
+    return (
+        "lumenbridge::tokenize_backward, composed from the per-layer kernels and ATen; "
+        "it recomputes the forward from the saved inputs"
+    )

@@ -5,8 +5,10 @@
 // Plain TORCH_CHECK throws from inside libc10 (torchCheckFail); the typed
 // variants would throw from this library, which on toolchains that link their
 // own libstdc++ into it means a second exception runtime.
+#include <ATen/autocast_mode.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 
 #include "gateway.h"
@@ -373,6 +375,69 @@ at::Tensor tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
                                        std::string(output_fmt)));
 }
 
+// tokenize_backward takes tokenize's arguments plus the gradient of its output
+// and which gradients to compute: output_mask = [images, parameters].
+TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                        TokenizeProblem p, std::array<bool, 2> output_mask) {
+  check_same_device(images, "images", grad_tokens, "grad_tokens");
+  TORCH_CHECK(grad_tokens.scalar_type() == p.dtype, "LumenBridge: grad_tokens has dtype ",
+              text(grad_tokens.scalar_type()), " but the tokens have the parameters' dtype ", text(p.dtype));
+  TORCH_CHECK(grad_tokens.sizes() == at::IntArrayRef(p.output_sizes()), "LumenBridge: grad_tokens has shape ",
+              text(grad_tokens.sizes()), " but the tokens have shape ", text(p.output_sizes()));
+  TORCH_CHECK(!(output_mask[0] && p.uint8_input),
+              "LumenBridge: uint8 images have no gradient; output_mask[0] must be false for them");
+  return p;
+}
+
+template <auto kernel>
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+           std::vector<at::Tensor>, std::vector<at::Tensor>>
+tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images, at::TensorList dw_weights,
+                        at::TensorList dw_biases, at::TensorList pw_weights, at::TensorList pw_biases,
+                        at::IntArrayRef strides, c10::string_view activation, c10::string_view stage_norm,
+                        at::TensorList norm_weights, at::TensorList norm_biases,
+                        const c10::optional<at::Tensor>& token_norm_weight,
+                        const c10::optional<at::Tensor>& token_norm_bias, double eps,
+                        at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+                        c10::string_view output_fmt, std::array<bool, 2> output_mask) {
+  const TokenizeProblem p = check_tokenize_backward(
+      grad_tokens, images,
+      check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
+                     std::string(stage_norm), norm_weights, norm_biases, token_norm_weight, token_norm_bias,
+                     eps, mean, std, padded_size, std::string(output_fmt)),
+      output_mask);
+  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]});
+  std::vector<at::Tensor> grad_images, token_norm;
+  if (g.images.defined()) grad_images.push_back(g.images);
+  if (g.token_norm_weight.defined()) token_norm = {g.token_norm_weight, g.token_norm_bias};
+  return {grad_images, g.dw_weights, g.dw_biases, g.pw_weights, g.pw_biases, g.norm_weights, g.norm_biases,
+          token_norm};
+}
+
+// Autocast: tokenize runs in the autocast dtype, as PyTorch's convolutions do
+// (float64 tensors and uint8 images are left as they are). The casts are
+// ordinary differentiable ops, so float32 parameters get float32 gradients.
+template <c10::DeviceType device>
+at::Tensor tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
+                             at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
+                             c10::string_view activation, c10::string_view stage_norm,
+                             at::TensorList norm_weights, at::TensorList norm_biases,
+                             const c10::optional<at::Tensor>& token_norm_weight,
+                             const c10::optional<at::Tensor>& token_norm_bias, double eps,
+                             at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+                             c10::string_view output_fmt) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
+  const auto cast = [dtype](const auto& t) { return at::autocast::cached_cast(dtype, t, device); };
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("lumenbridge::tokenize", "")
+                             .typed<decltype(tokenize_autocast<device>)>();
+  return op.call(cast(images), cast(dw_weights), cast(dw_biases), cast(pw_weights), cast(pw_biases), strides,
+                 activation, stage_norm, cast(norm_weights), cast(norm_biases), cast(token_norm_weight),
+                 cast(token_norm_bias), eps, mean, std, padded_size, output_fmt);
+}
+
 // Which CUDA path tokenize takes for a configuration: "fused", or "composed: <why>".
 std::string tokenize_path(at::ScalarType dtype, int64_t in_channels, at::IntArrayRef widths,
                           int64_t kernel_size, at::IntArrayRef strides, c10::string_view stage_norm) {
@@ -422,6 +487,14 @@ TORCH_LIBRARY(lumenbridge, m) {
       "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
       "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
       "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> Tensor");
+  m.def(
+      "tokenize_backward(Tensor grad_tokens, Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, "
+      "Tensor[] pw_weights, Tensor[] pw_biases, int[] strides, str activation, str stage_norm, "
+      "Tensor[] norm_weights, Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, "
+      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, bool[2] output_mask) -> "
+      "(Tensor[] grad_images, Tensor[] grad_dw_weights, Tensor[] grad_dw_biases, Tensor[] grad_pw_weights, "
+      "Tensor[] grad_pw_biases, Tensor[] grad_norm_weights, Tensor[] grad_norm_biases, "
+      "Tensor[] grad_token_norm)");
   m.def("tokenize_path(ScalarType dtype, int in_channels, int[] widths, int kernel_size, int[] strides, "
       "str stage_norm) -> str",
         &tokenize_path);
@@ -434,6 +507,15 @@ TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cpu::depthwise_backward_weight>);
   m.impl("tokenize", &tokenize_entry<cpu::tokenize>);
+  m.impl("tokenize_backward", &tokenize_backward_entry<cpu::tokenize_backward>);
+}
+
+TORCH_LIBRARY_IMPL(lumenbridge, AutocastCPU, m) {
+  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(lumenbridge, AutocastCUDA, m) {
+  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CUDA>);
 }
 
 #ifdef LUMENBRIDGE_WITH_CUDA
@@ -444,6 +526,7 @@ TORCH_LIBRARY_IMPL(lumenbridge, CUDA, m) {
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cuda::depthwise_backward_weight>);
   m.impl("tokenize", &tokenize_entry<cuda::tokenize>);
+  m.impl("tokenize_backward", &tokenize_backward_entry<cuda::tokenize_backward>);
 }
 #endif
 

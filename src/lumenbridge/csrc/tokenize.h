@@ -4,6 +4,8 @@
 //   cpu:  composed from the CPU depthwise kernels and ATen (tokenize_composed.cpp)
 //   cuda: the fused stage kernels (cuda/tokenize_fused.cu) where they cover the
 //         problem, else the same composition over the CUDA depthwise kernels.
+// Its backward, lumenbridge::tokenize_backward, is composed on both devices
+// (tokenize_backward.cpp).
 #pragma once
 
 #include <string>
@@ -61,12 +63,46 @@ using DepthwiseEntry = at::Tensor (*)(const at::Tensor&, const at::Tensor&,
 at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
                              DepthwiseEntry depthwise);
 
-// The tokenize entry of each device.
+// ---- lumenbridge::tokenize_backward ---------------------------------------------
+// The gradients of tokenize from its arguments alone: the backward recomputes
+// the forward, so autograd saves nothing but the inputs (tokenize_backward.cpp).
+// A field that was not asked for (images for uint8 input, or every parameter
+// when only the images need a gradient) stays undefined or empty.
+struct TokenizeGrads {
+  at::Tensor images;  // in the images' layout, unpadded
+  std::vector<at::Tensor> dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases;
+  at::Tensor token_norm_weight, token_norm_bias;  // undefined without a token norm
+};
+
+// Which gradients a backward call computes (the schema's output_mask).
+struct TokenizeGradMask {
+  bool images, parameters;
+};
+
+// A device's depthwise kernels (gateway.h), as the composed backward calls them.
+struct DepthwiseKernels {
+  DepthwiseEntry forward;
+  at::Tensor (*backward_input)(const at::Tensor&, const at::Tensor&, const DepthwiseProblem&);
+  std::tuple<at::Tensor, at::Tensor> (*backward_weight)(const at::Tensor&, const at::Tensor&,
+                                                        const DepthwiseProblem&);
+};
+
+// The backward composed from the device's depthwise kernels and ATen, for
+// any device; grad_tokens has the forward output's sizes, any strides.
+TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                         const TokenizeProblem& p, TokenizeGradMask mask,
+                                         const DepthwiseKernels& kernels);
+
+// The tokenize and tokenize_backward entries of each device.
 namespace cpu {
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
-}
+TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                const TokenizeProblem& p, TokenizeGradMask mask);
+}  // namespace cpu
 namespace cuda {
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
+TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                const TokenizeProblem& p, TokenizeGradMask mask);
 // Why the fused kernels do not cover a configuration ("" when they do); the
 // one statement of what they support. `widths` and `strides` are per stage.
 std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,

@@ -5,10 +5,9 @@
 // the fused kernels do not cover; it follows the reference model step by step.
 #include <ATen/ATen.h>
 
-#include "tokenize.h"
+#include "tokenize_steps.h"
 
 namespace lumenbridge {
-namespace {
 
 at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p) {
   at::Tensor x = images.to(p.dtype);
@@ -34,7 +33,7 @@ at::Tensor activate(const at::Tensor& x, Activation activation) {
   return x;
 }
 
-at::Tensor stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p) {
+at::Tensor apply_stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p) {
   switch (p.stage_norm) {
     case StageNorm::NONE: return x;
     case StageNorm::AFFINE:
@@ -46,6 +45,23 @@ at::Tensor stage_norm(const at::Tensor& x, const TokenizeStage& stage, const Tok
   }
   return x;
 }
+
+DepthwiseProblem stage_depthwise_problem(const TokenizeProblem& p, size_t stage, Layout layout) {
+  DepthwiseProblem dw;
+  dw.N = p.N;
+  dw.C = p.stages[stage].in_channels;
+  dw.H = stage == 0 ? p.Hp : p.stages[stage - 1].out_h;
+  dw.W = stage == 0 ? p.Wp : p.stages[stage - 1].out_w;
+  dw.K = p.K;
+  dw.stride = p.stages[stage].stride;
+  dw.pad = p.K / 2;
+  dw.Ho = p.stages[stage].out_h;
+  dw.Wo = p.stages[stage].out_w;
+  dw.layout = layout;
+  return dw;
+}
+
+namespace {
 
 // cuDNN's / oneDNN's depthwise convolution: faster than LumenBridge's NHWC
 // kernels on the tokenizer's stages (benchmarks/RESULTS.md), so channels-last
@@ -75,26 +91,12 @@ std::vector<int64_t> TokenizeProblem::output_sizes() const {
 at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
                              DepthwiseEntry depthwise) {
   at::Tensor x = normalized_images(images, p);
-  int64_t h = p.Hp, w = p.Wp;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& stage = p.stages[i];
-    DepthwiseProblem dw;
-    dw.N = p.N;
-    dw.C = stage.in_channels;
-    dw.H = h;
-    dw.W = w;
-    dw.K = p.K;
-    dw.stride = stage.stride;
-    dw.pad = p.K / 2;
-    dw.Ho = stage.out_h;
-    dw.Wo = stage.out_w;
-    dw.layout = p.layout;
     const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
-    x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, dw);
-    x = stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
+    x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, stage_depthwise_problem(p, i, p.layout));
+    x = apply_stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
     if (i + 1 < p.stages.size()) x = activate(x, p.activation);
-    h = stage.out_h;
-    w = stage.out_w;
   }
   at::Tensor tokens = x.permute({0, 2, 3, 1});  // [N, h, w, D]
   if (p.has_token_norm()) {

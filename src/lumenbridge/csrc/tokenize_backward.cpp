@@ -1,0 +1,232 @@
+// lumenbridge::tokenize_backward, composed: the gradients of the whole
+// tokenizer from its inputs alone, the same code on every device.
+//
+// Autograd saves only the op's arguments (the images and the parameters), so
+// training holds no activations between forward and backward. The backward
+// first recomputes the forward once, keeping each stage's pointwise output
+// p_i (before its norm); then, from the last stage down, it rebuilds the
+// stage input x_i = act(norm(p_{i-1})) and the depthwise output d_i from it,
+// and takes the stage's gradients:
+//   norm        LayerNorm / affine backward on p_i            (ATen, opmath)
+//   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
+//   depthwise   dW, db and g_x from g_d and x_i                (LumenBridge kernels)
+//   activation  g_n = act'(n_{i-1}) g_x                        (ATen)
+// Activations are channels-last throughout, so the pointwise stages are plain
+// GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows.
+// Every reduction is an ATen reduction, a GEMM or LumenBridge's weight-gradient
+// kernel (fixed order): no atomics, so the gradients are bitwise deterministic.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include "tokenize_steps.h"
+
+namespace lumenbridge {
+namespace {
+
+constexpr auto kChannelsLast = at::MemoryFormat::ChannelsLast;
+
+// What the depthwise kernels read for Layout::NHWC (a no-op where it already is).
+at::Tensor channels_last(const at::Tensor& x) { return x.contiguous(kChannelsLast); }
+
+// A channels-last [N, C, h, w] tensor as its [N * h * w, C] rows (a view), and
+// rows back as a channels-last [N, C, h, w] view.
+at::Tensor rows(const at::Tensor& x) {
+  return channels_last(x).permute({0, 2, 3, 1}).reshape({-1, x.size(1)});
+}
+
+at::Tensor from_rows(const at::Tensor& r, int64_t n, int64_t h, int64_t w) {
+  return r.view({n, h, w, r.size(1)}).permute({0, 3, 1, 2});
+}
+
+at::Tensor pointwise_matrix(const TokenizeStage& s) {
+  return s.pw_weight.view({s.out_channels, s.in_channels});
+}
+
+// The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout].
+at::Tensor pointwise(const at::Tensor& d, const TokenizeStage& s) {
+  return from_rows(at::addmm(s.pw_bias, rows(d), pointwise_matrix(s).t()), d.size(0), d.size(2), d.size(3));
+}
+
+// The activation's backward, written over `grad` (a stage-sized buffer the
+// backward no longer needs), so no second one is allocated.
+void activation_backward_(at::Tensor& grad, const at::Tensor& pre, Activation activation) {
+  switch (activation) {
+    case Activation::GELU: at::gelu_backward_out(grad, grad, pre); return;  // the erf form, as in the forward
+    case Activation::RELU: at::threshold_backward_out(grad, grad, pre, 0); return;
+    case Activation::SILU: at::silu_backward_out(grad, grad, pre); return;
+    case Activation::NONE: return;
+  }
+}
+
+struct AffineGrads {
+  at::Tensor input, weight, bias;
+};
+
+// Sums over rows in the opmath type (float for half types), returned in `dtype`.
+at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
+  return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
+}
+
+// LayerNorm over the last dim of rows x [M, C], recomputing its statistics,
+// in the opmath type as ATen's own LayerNorm kernels compute.
+AffineGrads layer_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                double eps, bool parameters) {
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
+  const at::Tensor xf = x.to(acc), g = grad.to(acc);
+  const at::Tensor centered = xf - xf.mean(-1, true);
+  const at::Tensor rstd = at::rsqrt(centered.square().mean(-1, true) + eps);
+  const at::Tensor xhat = centered * rstd;
+  const at::Tensor g_xhat = g * weight.to(acc);
+  const at::Tensor g_x = rstd * (g_xhat - g_xhat.mean(-1, true) - xhat * (g_xhat * xhat).mean(-1, true));
+  AffineGrads out{g_x.to(x.scalar_type())};
+  if (parameters) {
+    out.weight = (g * xhat).sum(0).to(weight.scalar_type());
+    out.bias = g.sum(0).to(weight.scalar_type());
+  }
+  return out;
+}
+
+// The stage norm's backward on [N, C, h, w]: the input gradient, and the
+// norm parameters' when asked for.
+AffineGrads stage_norm_backward(const at::Tensor& grad, const at::Tensor& x, const TokenizeStage& s,
+                                const TokenizeProblem& p, bool parameters) {
+  switch (p.stage_norm) {
+    case StageNorm::NONE: return {grad};
+    case StageNorm::AFFINE: {
+      AffineGrads out{grad * s.norm_weight.view({1, -1, 1, 1})};
+      if (parameters) {
+        const at::ScalarType acc = at::toOpMathType(x.scalar_type());
+        out.weight = row_sum(rows(grad).to(acc) * rows(x).to(acc), p.dtype);
+        out.bias = row_sum(rows(grad), p.dtype);
+      }
+      return out;
+    }
+    case StageNorm::LAYERNORM: {
+      AffineGrads out = layer_norm_backward(rows(grad), rows(x), s.norm_weight, p.eps, parameters);
+      out.input = from_rows(out.input, x.size(0), x.size(2), x.size(3));
+      return out;
+    }
+  }
+  return {grad};
+}
+
+// The token gradient as a channels-last [N, D, h, w] tensor, whatever the format.
+at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& p) {
+  const at::Tensor nhwc = p.format == TokenFormat::NCHW
+                              ? grad_tokens.permute({0, 2, 3, 1})
+                              : grad_tokens.reshape({p.N, p.grid_h(), p.grid_w(), p.embed_dim()});
+  return nhwc.contiguous().permute({0, 3, 1, 2});
+}
+
+// The forward once more, keeping each stage's pointwise output (before its norm).
+std::vector<at::Tensor> pointwise_outputs(const at::Tensor& x0, const TokenizeProblem& p,
+                                          const DepthwiseKernels& kernels) {
+  std::vector<at::Tensor> outputs;
+  at::Tensor x = x0;
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const TokenizeStage& s = p.stages[i];
+    const at::Tensor d = kernels.forward(x, s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, Layout::NHWC));
+    outputs.push_back(pointwise(d, s));
+    if (i + 1 < p.stages.size()) x = channels_last(activate(apply_stage_norm(outputs.back(), s, p), p.activation));
+  }
+  return outputs;
+}
+
+// One stage's backward. `grad` is the gradient of the stage's normed output,
+// `output` its pointwise output and `input` its input (both taken over, so
+// they are released as soon as they are used). The parameters' gradients go
+// into `grads`; returns the gradient of the input, undefined when the first
+// stage needs none.
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, size_t i,
+                          const TokenizeProblem& p, TokenizeGradMask mask, const DepthwiseKernels& kernels,
+                          TokenizeGrads& grads) {
+  const TokenizeStage& s = p.stages[i];
+  AffineGrads norm = stage_norm_backward(grad, output, s, p, mask.parameters);
+  grad.reset();
+  output.reset();
+  if (mask.parameters && p.stage_norm != StageNorm::NONE) {
+    grads.norm_weights[i] = norm.weight;
+    grads.norm_biases[i] = norm.bias;
+  }
+  const at::Tensor g_p = rows(norm.input);
+  norm.input.reset();
+  const DepthwiseProblem dw = stage_depthwise_problem(p, i, Layout::NHWC);
+  const at::Tensor g_d = from_rows(at::mm(g_p, pointwise_matrix(s)), p.N, s.out_h, s.out_w);
+  if (mask.parameters) {
+    const at::Tensor d = kernels.forward(input, s.dw_weight, s.dw_bias, dw);
+    grads.pw_weights[i] = at::mm(g_p.t(), rows(d)).view({s.out_channels, s.in_channels, 1, 1});
+    grads.pw_biases[i] = row_sum(g_p, p.dtype);
+    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, input, dw);
+  }
+  if (i == 0 && !mask.images) return at::Tensor();
+  return kernels.backward_input(g_d, s.dw_weight, dw);
+}
+
+}  // namespace
+
+TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                         const TokenizeProblem& p, TokenizeGradMask mask,
+                                         const DepthwiseKernels& kernels) {
+  const size_t S = p.stages.size();
+  at::Tensor x0 = channels_last(normalized_images(images, p));
+  std::vector<at::Tensor> outputs = pointwise_outputs(x0, p, kernels);
+  TokenizeGrads grads;
+  if (mask.parameters) {
+    for (auto* list : {&grads.dw_weights, &grads.dw_biases, &grads.pw_weights, &grads.pw_biases}) {
+      list->resize(S);
+    }
+    if (p.stage_norm != StageNorm::NONE) {
+      grads.norm_weights.resize(S);
+      grads.norm_biases.resize(S);
+    }
+  }
+
+  // g: the gradient of the current stage's output after its norm.
+  at::Tensor g = token_grad_map(grad_tokens, p);
+  if (p.has_token_norm()) {
+    const at::Tensor last = apply_stage_norm(outputs.back(), p.stages.back(), p);
+    AffineGrads token = layer_norm_backward(rows(g), rows(last), p.token_norm_weight, p.eps, mask.parameters);
+    g = from_rows(token.input, p.N, p.grid_h(), p.grid_w());
+    grads.token_norm_weight = token.weight;
+    grads.token_norm_bias = token.bias;
+  }
+  for (size_t i = S; i-- > 0;) {
+    // The stage input, rebuilt from the previous stage's output (needed for
+    // the weight gradients); the normed output also gives the activation's backward.
+    const at::Tensor previous = i > 0 ? apply_stage_norm(outputs[i - 1], p.stages[i - 1], p) : at::Tensor();
+    at::Tensor input;
+    if (mask.parameters) input = i > 0 ? channels_last(activate(previous, p.activation)) : std::move(x0);
+    at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(input), i, p, mask, kernels, grads);
+    if (i > 0) {
+      activation_backward_(g_x, previous, p.activation);
+      g = std::move(g_x);
+    } else if (mask.images) {
+      // Padding was added after normalization: its gradient is dropped.
+      grads.images = g_x.narrow(2, 0, p.H).narrow(3, 0, p.W).contiguous(
+          p.layout == Layout::NHWC ? kChannelsLast : at::MemoryFormat::Contiguous);
+    }
+  }
+  return grads;
+}
+
+namespace cpu {
+TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                const TokenizeProblem& p, TokenizeGradMask mask) {
+  return tokenize_backward_composed(
+      grad_tokens, images, p, mask,
+      {&cpu::depthwise_forward, &cpu::depthwise_backward_input, &cpu::depthwise_backward_weight});
+}
+}  // namespace cpu
+
+#ifdef LUMENBRIDGE_WITH_CUDA
+namespace cuda {
+TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
+                                const TokenizeProblem& p, TokenizeGradMask mask) {
+  return tokenize_backward_composed(
+      grad_tokens, images, p, mask,
+      {&cuda::depthwise_forward, &cuda::depthwise_backward_input, &cuda::depthwise_backward_weight});
+}
+}  // namespace cuda
+#endif
+
+}  // namespace lumenbridge

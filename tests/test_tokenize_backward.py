@@ -1,0 +1,286 @@
+"""The backward of torch.ops.lumenbridge.tokenize (the op tokenize_backward):
+gradients against float64 autograd of the reference over the shared sample
+cases, gradcheck, opcheck, determinism, what autograd saves, double backward,
+the gateway's checks, autocast with GradScaler, torch.compile, and the model
+using the op for training."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from conftest import HAS_CUDA, device_params
+from torch.utils import _pytree as pytree
+
+from lumenbridge import VisualTokenizer, native
+from lumenbridge.testing import NARROW, compare_gradients_to_float64, tokenize_cases
+
+CASES = tokenize_cases()
+cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+TINY = dataclasses.replace(NARROW, embed_dim=6, stage_widths=(4, 6), strides=(2, 2))
+
+
+def op(model, images):
+    return native.tokenize(images, model)
+
+
+def case_named(name):
+    return next(c for c in CASES if c.name == name)
+
+
+def assert_within(reports):
+    failed = {name: report for name, report in reports.items() if not report.ok}
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, request):
+    """Image gradients within 2x, parameter gradients within 3x the error of
+    PyTorch's own autograd in the same dtype, plus the dtype's rounding floor."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
+
+
+def floating_tensors(args):
+    """tokenize's floating tensor arguments, flat, and how to put others in their place."""
+    leaves, spec = pytree.tree_flatten(args)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+
+    def rebuild(tensors):
+        new = list(leaves)
+        for position, tensor in zip(positions, tensors, strict=True):
+            new[position] = tensor
+        return pytree.tree_unflatten(new, spec)
+
+    return [leaves[i] for i in positions], rebuild
+
+
+def detached(args, requires_grad=False):
+    tensors, rebuild = floating_tensors(args)
+    return rebuild([t.detach().requires_grad_(requires_grad) for t in tensors])
+
+
+@pytest.mark.parametrize(
+    "config, images",
+    [
+        (dataclasses.replace(TINY, stage_norm="layernorm"), torch.randn(2, 3, 8, 8)),
+        (dataclasses.replace(TINY, activation="silu", output_fmt="NCHW"), torch.randn(1, 3, 8, 12)),
+        (
+            dataclasses.replace(TINY, stage_norm="batchnorm", token_norm=False, output_fmt="NHWC", kernel_size=5),
+            torch.randn(2, 3, 7, 9).contiguous(memory_format=torch.channels_last),
+        ),
+    ],
+    ids=["layernorm-stages", "silu-nchw-out", "affine-no-token-norm-padded-channels-last"],
+)
+def test_gradcheck_in_float64(config, images, native_ops):
+    model = VisualTokenizer(config, dynamic_pad=True, seed=0).double().eval()
+    tensors, rebuild = floating_tensors(detached(native.tokenize_arguments(images.double(), model)))
+    inputs = [t.requires_grad_(True) for t in tensors]
+    assert torch.autograd.gradcheck(lambda *ts: torch.ops.lumenbridge.tokenize(*rebuild(ts)), inputs)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_opcheck(device, native_ops):
+    """The backward op on its own (every output_mask), and the forward with
+    inputs that need gradients, which traces the backward through its fake."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for name, mask, forward_too in (
+        ("dynamic-pad-float", [True, True], True),
+        ("layernorm-stages", [False, True], False),
+        ("no-token-norm", [True, False], False),
+    ):
+        case = case_named(name)
+        model = case.model().to(device, dtype)
+        args = detached(native.tokenize_arguments(case.images().to(device), model))
+        grad = torch.randn_like(torch.ops.lumenbridge.tokenize(*args))
+        torch.library.opcheck(torch.ops.lumenbridge.tokenize_backward.default, (grad, *args, mask))
+        if forward_too:
+            torch.library.opcheck(torch.ops.lumenbridge.tokenize.default, detached(args, requires_grad=True))
+
+
+def all_gradients(model, images):
+    """Every parameter's gradient (and the images', when they need one) of one backward through the op."""
+    model.zero_grad(set_to_none=True)
+    images.grad = None
+    tokens = native.tokenize(images, model)
+    cotangent = torch.linspace(-1, 1, tokens.numel(), device=tokens.device, dtype=tokens.dtype).view_as(tokens)
+    (tokens * cotangent).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return grads + ([images.grad.clone()] if images.requires_grad else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_are_bitwise_deterministic(device, dtype, native_ops):
+    for name in ("base-float-channels-last", "layernorm-stages", "batch-64"):
+        case = case_named(name)
+        model = case.model().to(device, dtype)
+        images = case.images().to(device)
+        images = images if images.dtype == torch.uint8 else images.to(dtype).requires_grad_(True)
+        first = all_gradients(model, images)
+        for _ in range(2):
+            again = all_gradients(model, images)
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), name
+
+
+def saved_tensors(run):
+    """The tensors autograd saves while run() builds its graph."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        run()
+    return saved
+
+
+@pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])
+def test_the_forward_saves_only_its_inputs(uint8, native_ops):
+    case = case_named("base")
+    model = case.model()
+    images = case.images() if uint8 else torch.randn(2, 3, 64, 64).requires_grad_(True)
+    saved = saved_tensors(lambda: native.tokenize(images, model))
+    parameters = {p.data_ptr() for p in model.parameters()}
+    activations = [t for t in saved if t.data_ptr() not in parameters]
+    assert len(activations) == 1 and activations[0].data_ptr() == images.data_ptr()
+    per_image = activations[0].nbytes // len(images)
+    assert per_image == images[0].nbytes  # 3 x 64 x 64 bytes for uint8, 4x that for float32
+    # Eager autograd saves every stage's activations, the first stage's
+    # pointwise output among them; the op saves less than that one tensor.
+    eager = saved_tensors(lambda: model.forward_layers(images, "reference"))
+    eager_per_image = sum(t.nbytes for t in eager if t.data_ptr() not in parameters) // len(images)
+    first_stage_output = case.config.stage_widths[0] * 32 * 32 * 4
+    assert per_image < first_stage_output < eager_per_image
+
+
+def test_double_backward_raises_naming_the_op(native_ops):
+    model = VisualTokenizer(TINY, seed=0)
+    images = torch.randn(1, 3, 16, 16, requires_grad=True)
+    tokens = native.tokenize(images, model)
+    (grad,) = torch.autograd.grad(tokens.square().sum(), images, create_graph=True)
+    with pytest.raises(RuntimeError, match="LumenBridge: lumenbridge::tokenize supports first-order gradients only"):
+        grad.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {"grad_tokens": a["grad_tokens"][:, :-1]}, "grad_tokens has shape"),
+        (lambda a: {"grad_tokens": a["grad_tokens"].double()}, "grad_tokens has dtype"),
+        (lambda a: {"output_mask": [True, True]}, "uint8 images have no gradient"),
+        (lambda a: {"activation": "tanh"}, "activation must be one of"),
+    ],
+)
+def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
+    model = VisualTokenizer(NARROW, seed=0).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
+    args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))
+    args["grad_tokens"] = torch.ones(1, 4, 40)
+    args["output_mask"] = [False, True]
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):
+        native_ops.tokenize_backward(**args)
+
+
+# ---- the model trains through the op ----------------------------------------------
+
+
+def test_model_uses_the_op_for_training_except_batchnorm_statistics(native_ops, monkeypatch):
+    calls, real = [], native.tokenize
+    monkeypatch.setattr(native, "tokenize", lambda images, model: calls.append(1) or real(images, model))
+    images = torch.randn(2, 3, 32, 32, requires_grad=True)
+    model = VisualTokenizer(NARROW, seed=0, backend="native")
+    model(images).sum().backward()
+    assert len(calls) == 1 and images.grad is not None
+    assert all(p.grad is not None for p in model.parameters())
+    batchnorm = VisualTokenizer(dataclasses.replace(NARROW, stage_norm="batchnorm"), seed=0, backend="native")
+    batchnorm(images).sum().backward()  # training-mode BatchNorm needs batch statistics: layer by layer
+    assert len(calls) == 1
+    batchnorm.eval()(images).sum().backward()
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_images_that_need_a_gradient_get_the_reference_gradient(device, native_ops, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 on both sides
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device).requires_grad_(False)
+    images = torch.randn(2, 3, 32, 48, device=device, requires_grad=True)
+    model(images).square().sum().backward()
+    reference = images.detach().clone().requires_grad_(True)
+    model.forward_layers(reference, "reference").square().sum().backward()
+    torch.testing.assert_close(images.grad, reference.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_autocast_runs_the_op_in_the_autocast_dtype_with_float32_gradients(device, native_ops):
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        tokens = model(images)
+    expected = low(images)
+    assert tokens.dtype == torch.bfloat16
+    assert torch.equal(tokens, expected)  # the same op call on the cast parameters
+    target = torch.randn_like(expected)
+    (tokens * target).sum().backward()
+    (expected * target).sum().backward()
+    for p, q in zip(model.parameters(), low.parameters(), strict=True):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, q.grad.float())
+
+
+def scaled_float16_step(model, images, target, device):
+    """One GradScaler step under float16 autocast; the unscaled gradients, and whether the step was taken."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    with torch.autocast(device, dtype=torch.float16):
+        tokens = model(images)
+    assert tokens.dtype == torch.float16
+    scaler.scale((tokens.float() * target).sum()).backward()
+    scaler.unscale_(optimizer)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    stepped = all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    return grads, stepped
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_grad_scaler_with_float16_autocast(device, native_ops):
+    """The op's float16 gradients, unscaled, are within 3x the error of
+    PyTorch's own model under the same autocast and GradScaler."""
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    exact = VisualTokenizer(NARROW, seed=0).double()
+    target = torch.randn(exact.forward_layers(images.cpu(), "reference").shape, dtype=torch.float64)
+    (exact.forward_layers(images.cpu(), "reference") * target).sum().backward()
+    target = target.to(device, torch.float32)
+    results = {
+        backend: scaled_float16_step(
+            VisualTokenizer(NARROW, seed=0, backend=backend).to(device), images, target, device
+        )
+        for backend in ("native", "reference")
+    }
+    for name, q in exact.named_parameters():
+        native_grad, reference_grad = (results[b][0][name] for b in ("native", "reference"))
+        assert native_grad.dtype == torch.float32
+        error, torch_error = ((g.cpu().double() - q.grad).abs().max().item() for g in (native_grad, reference_grad))
+        assert error <= 3 * torch_error + 2.0**-10 * q.grad.abs().max().item(), name
+    assert results["native"][1] and results["reference"][1]  # finite gradients: both steps were taken
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_compiled_training_step_matches_eager(device, native_ops, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    compiled_model = copy.deepcopy(model)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    compiled(images).square().sum().backward()
+    model(images).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

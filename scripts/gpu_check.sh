@@ -8,7 +8,9 @@
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_ARGS goes to
 #   sanitize_kernels.py (--fused-only); BENCHES picks benchmarks (default:
 #   depthwise tokenizer fused); FUSED_BENCH_ARGS goes to bench_fused.py (--quick).
-#   STEP_TIMEOUT caps each step in seconds (default: none).
+#   STEP_TIMEOUT caps each step in seconds (default: none). PACK=1 leaves
+#   $OUT holding one archive, logs.tar.gz, of everything it wrote (for a
+#   machine that returns only a few files per call).
 # Exits 0 only if every step passed; otherwise 1, after running the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,4 +60,8 @@ if [[ $parts == *" bench "* ]]; then
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [ -n "${PACK:-}" ]; then
+  archive=$(mktemp)
+  tar -czf "$archive" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$archive" "$OUT/logs.tar.gz"
+fi
 exit $status

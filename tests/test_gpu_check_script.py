@@ -68,3 +68,12 @@ def test_any_failing_step_exits_non_zero_after_running_the_rest(tmp_path, failur
 def test_generated_files_are_ignored_by_git(path):
     run = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False)
     assert run.returncode == 0, f"{path} is not in .gitignore"
+
+
+def test_pack_leaves_one_archive_of_every_log(tmp_path):
+    run = run_script(tmp_path, PACK="1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = tmp_path / "out"
+    assert [p.name for p in out.iterdir()] == ["logs.tar.gz"]
+    listing = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True, check=True)
+    assert "./summary.txt" in listing.stdout.split() and "./build.log" in listing.stdout.split()

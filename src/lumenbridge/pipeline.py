@@ -512,7 +512,7 @@ class _Prepare:
 
     def __iter__(self):
         if self.thread is None:
-            for number, batch in enumerate(self._timed(self.batches)):
+            for number, batch in enumerate(self._timed(self.batches, "input_wait")):
                 yield self._upload(self.shard_of_batch[number], batch)
             return
         while True:
@@ -525,7 +525,9 @@ class _Prepare:
                 raise item
             yield item
 
-    def _timed(self, batches):
+    def _timed(self, batches, wait: str):
+        """batches, adding the time spent waiting for each to stats.<wait> and
+        the workers' decode time to stats.decode."""
         iterator = iter(batches)
         while True:
             begun = time.perf_counter()
@@ -533,7 +535,7 @@ class _Prepare:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.stats.input_wait += time.perf_counter() - begun
+            setattr(self.stats, wait, getattr(self.stats, wait) + time.perf_counter() - begun)
             self.stats.decode += batch.seconds
             yield batch
 
@@ -565,7 +567,7 @@ class _Prepare:
                 begun = time.perf_counter()
                 _warm_up_decoder(device)  # nvJPEG's first call sets it up (a second or so), while the workers start
                 self.stats.gpu_decode += time.perf_counter() - begun
-                for number, batch in enumerate(self._timed_decode(self.batches)):
+                for number, batch in enumerate(self._timed(self.batches, "read_wait")):
                     if self.stop.is_set():
                         return
                     begun = time.perf_counter()
@@ -580,18 +582,6 @@ class _Prepare:
             self.ready.put(None)
         except BaseException as error:  # noqa: BLE001 - re-raised in the model's thread
             self.ready.put(error)
-
-    def _timed_decode(self, batches):
-        iterator = iter(batches)
-        while True:
-            begun = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self.stats.read_wait += time.perf_counter() - begun
-            self.stats.decode += batch.seconds
-            yield batch
 
     def _decode(self, shard: int, batch: Batch, stream) -> Prepared:
         from .gpu_decode import _on, crop_resize, decode_jpegs, orient

@@ -14,11 +14,13 @@ of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
 Each row also records peak forward memory above the inputs
 (torch.cuda.max_memory_allocated). At B=256 bf16 224² it also times one
 training step (forward + backward of a fixed cotangent to every parameter)
-of LumenBridge and of the eager plain module. Usage:
-  python benchmarks/bench_fused.py --out DIR [--quick] [--providers NAME ...]
+of LumenBridge, of the eager plain module and of its max-autotune compile. Usage:
+  python benchmarks/bench_fused.py --out DIR [--quick] [--cases DTYPE:B:SIDE ...] [--providers NAME ...]
 --quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
+--cases times the named cases, in that order (e.g. bf16:256:224 fp16:64:448);
 --providers keeps only the named providers (the floors always stay).
-Writes DIR/fused.json, DIR/fused.md and DIR/fused.png.
+Writes DIR/fused.json, DIR/fused.md and DIR/fused.png, rewritten after each
+case, so a run cut short keeps every case it finished.
 """
 
 from __future__ import annotations
@@ -144,14 +146,16 @@ def training_step(fn, parameters: list[torch.Tensor], x: torch.Tensor, cotangent
 
 
 def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str, x: torch.Tensor) -> list[dict]:
-    """Training-step time and peak memory (forward + backward) of LumenBridge
-    and the eager plain module, same weights, float input."""
+    """Training-step time and peak memory (forward + backward) of LumenBridge,
+    the eager plain module and its max-autotune compile, same weights, float input."""
     model.train()
     plain = PlainTokenizer(model)
     parameters = [p for p in model.parameters() if p.requires_grad]
     cotangent = torch.randn_like(model(x))
     rows = []
-    for name, fn in (("lumenbridge train", model), ("eager train", plain)):
+    torch.compiler.reset()
+    compiled = torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False)
+    for name, fn in (("lumenbridge train", model), ("eager train", plain), ("compile-ma train", compiled)):
         step = training_step(fn, parameters, x, cotangent)
         ms = median_ms(step, warmup=5, repeats=20)
         rows.append(
@@ -171,14 +175,19 @@ def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str
     return rows
 
 
-def run(quick: bool, keep: list[str] | None) -> dict:
+def parse_case(text: str) -> tuple[str, int, int]:
+    dtype, batch, side = text.split(":")
+    if dtype not in DTYPES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype, int(batch), int(side)
+
+
+def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) -> None:
     env = environment()
     copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
     config = TokenizerConfig.preset("lumenbridge-base")
     rows = []
-    cases = [(d, b, s) for d in DTYPES for b, s in SIZES]
-    if quick:
-        cases = [("bf16", 1, 224), ("bf16", 256, 224), ("fp32", 256, 224)]
+    result = {"environment": env, "copy_gbs": copy_gbs, "matmul_tflops": tflops, "rows": rows}
     for dtype_name, batch, side in cases:
         dtype = DTYPES[dtype_name]
         model = VisualTokenizer(config, seed=0).to("cuda", dtype).eval()
@@ -229,7 +238,14 @@ def run(quick: bool, keep: list[str] | None) -> dict:
         ]
         del model, inputs
         torch.cuda.empty_cache()
-    return {"environment": env, "copy_gbs": copy_gbs, "matmul_tflops": tflops, "rows": rows}
+        write(result, out)
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused.json").write_text(json.dumps(result, indent=1))
+    (out / "fused.md").write_text(markdown(result))
+    plot(result, out / "fused.png")
 
 
 def markdown(result: dict) -> str:
@@ -304,17 +320,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", nargs="+", type=parse_case)
     parser.add_argument("--providers", nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not native.ready():
         raise SystemExit("needs a CUDA GPU and the built LumenBridge extension")
-    result = run(args.quick, args.providers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fused.json").write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    (args.out / "fused.md").write_text(table)
-    plot(result, args.out / "fused.png")
-    print(table)
+    cases = args.cases or [(d, b, s) for d in DTYPES for b, s in SIZES]
+    if args.quick:
+        cases = [("bf16", 1, 224), ("bf16", 256, 224), ("fp32", 256, 224)]
+    run(cases, args.providers, args.out)
+    print((args.out / "fused.md").read_text())
 
 
 if __name__ == "__main__":

@@ -16,24 +16,29 @@ Then the fused tokenize kernels, on the shared sample cases
 input kind, layout, output format and odd width) in bfloat16, and the base
 preset in float16. Last, the tokenize backward (composed over the depthwise
 kernels, in the tokenizer's channels-last shapes, 3-channel images included) on
-the same cases in bfloat16. --fused-only skips the depthwise kernels' own
-variants, unchanged since their last sanitizer run.
-Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py [--fused-only]
+the same cases in bfloat16. --parts picks which of the three groups run
+(default: all), so a tool's report can be traced to one of them.
+Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
+       [--parts depthwise fused backward]
 """
 
+import argparse
 import itertools
-import sys
 
 import torch
 
 from lumenbridge import native
 from lumenbridge.testing import tokenize_cases
 
+PARTS = ("depthwise", "fused", "backward")
+parser = argparse.ArgumentParser()
+parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+parts = parser.parse_args().parts
 assert native.ready(), "the LumenBridge extension did not build"
 ops = torch.ops.lumenbridge
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMATS = (torch.contiguous_format, torch.channels_last)
-DEPTHWISE = "--fused-only" not in sys.argv[1:]
+DEPTHWISE = "depthwise" in parts
 DEPTHWISE_CASES = itertools.product(
     ((21, 38), (70, 64), (20, 24), (9, 13)), (3, 5, 7), (1, 2), DTYPES, FORMATS, (32, 6, 13)
 )
@@ -54,17 +59,17 @@ for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS) if DEPTHWIS
 # Every case in bfloat16; float16 differs only in its conversions and mma
 # variant, so the base preset covers it.
 FUSED_CASES = [(case, torch.bfloat16) for case in tokenize_cases()] + [(tokenize_cases()[1], torch.float16)]
-for case, dtype in FUSED_CASES:
+for case, dtype in FUSED_CASES if "fused" in parts else ():
     if case.config.stage_norm != "none":
         continue  # composed from the kernels above, not fused
     model = case.model().to("cuda", dtype)
     images = case.images().to("cuda")
     with torch.inference_mode():
         native.tokenize(images if images.dtype == torch.uint8 else images.to(dtype), model)
-for case in tokenize_cases():
+for case in tokenize_cases() if "backward" in parts else ():
     model = case.model().to("cuda", torch.bfloat16)
     images = case.images().to("cuda")
     images = images if images.dtype == torch.uint8 else images.to(torch.bfloat16).requires_grad_(True)
     native.tokenize(images, model).float().sum().backward()
 torch.cuda.synchronize()
-print("sanitize_kernels: all variants ran")
+print("sanitize_kernels: ran", ", ".join(parts))

@@ -238,7 +238,9 @@ def scaled_float16_step(model, images, target, device):
     scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
     with torch.autocast(device, dtype=torch.float16):
         tokens = model(images)
-    assert tokens.dtype == torch.float16
+    # The op runs in the autocast dtype; PyTorch's own model returns float32
+    # tokens from its LayerNorm, which autocast runs in float32 on CUDA.
+    assert tokens.dtype == torch.float16 or model.backend == "reference"
     scaler.scale((tokens.float() * target).sum()).backward()
     scaler.unscale_(optimizer)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -28,8 +28,6 @@ namespace {
 constexpr int kTile = 8;  // first kernel: stage-2 tiles of kTile x kTile pixels
 static_assert(kTile * kTile == kTileRows, "a first-kernel tile is one GEMM block");
 constexpr int kMaxImageChannels = 4;
-// The widest image window of a tile: K = 7 and both strides 2.
-constexpr int kMaxImageWindow = ((kTile - 1) * 2 + 7 - 1) * 2 + 7;
 
 // Fields of one pointwise stage shared by both kernels.
 template <typename T>
@@ -121,27 +119,37 @@ struct WindowSource {
   bool column_inside[K];
 };
 
-// Depthwise taps for 8 channels of kernel rows i0 .. i0 + Count - 1: every load
-// issued before any is used (out-of-image taps are zero), so a thread keeps
-// Count x K loads in flight.
+// Output pixels per stage-kernel item: their depthwise sums share each read
+// of the taps from shared memory, and their loads are in flight together.
+// One for K = 7, whose pair of windows would spill registers.
+template <int K>
+constexpr int kPixelsPerItem = K == 7 ? 1 : 2;
+
+// Depthwise taps for 8 channels of kernel rows i0 .. i0 + Count - 1 of each of
+// an item's pixels: every load issued before any is used (out-of-image taps
+// are zero), so a thread keeps kPixelsPerItem<K> x Count x K loads in flight.
 template <typename T, int K, int Count>
-__device__ __forceinline__ void depthwise_rows(const WindowSource<T, K>& src, int i0, int H, int64_t row_step, int Cin,
-                                              bool vector, int c, const float* taps, int Kp, float (&acc)[8]) {
-  uint4 pixel[Count][K];
+__device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[kPixelsPerItem<K>], int i0, int H,
+                                              int64_t row_step, int Cin, bool vector, int c, const float* taps, int Kp,
+                                              float (&acc)[kPixelsPerItem<K>][8]) {
+  uint4 pixel[kPixelsPerItem<K>][Count][K];
 #pragma unroll
-  for (int i = 0; i < Count; ++i) {
-    const bool row_inside = src.y0 + i0 + i >= 0 && src.y0 + i0 + i < H;
-    const T* row = src.corner + (i0 + i) * row_step;
+  for (int p = 0; p < kPixelsPerItem<K>; ++p) {
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const bool inside = row_inside && src.column_inside[j];
-      if (vector) {
-        pixel[i][j] = inside ? __ldg(reinterpret_cast<const uint4*>(row + j * Cin)) : make_uint4(0, 0, 0, 0);
-      } else {
-        float v[8];
+    for (int i = 0; i < Count; ++i) {
+      const bool row_inside = src[p].y0 + i0 + i >= 0 && src[p].y0 + i0 + i < H;
+      const T* row = src[p].corner + (i0 + i) * row_step;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = inside && c + e < Cin ? static_cast<float>(row[j * Cin + e]) : 0.0f;
-        pixel[i][j] = pack8<T>(v);
+      for (int j = 0; j < K; ++j) {
+        const bool inside = row_inside && src[p].column_inside[j];
+        if (vector) {
+          pixel[p][i][j] = inside ? __ldg(reinterpret_cast<const uint4*>(row + j * Cin)) : make_uint4(0, 0, 0, 0);
+        } else {
+          float v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = inside && c + e < Cin ? static_cast<float>(row[j * Cin + e]) : 0.0f;
+          pixel[p][i][j] = pack8<T>(v);
+        }
       }
     }
   }
@@ -149,11 +157,15 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K>& src, in
   for (int i = 0; i < Count; ++i) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      float v[8], w[8];
-      unpack8<T>(pixel[i][j], v);
+      float w[8];
       load_floats8(taps + ((i0 + i) * K + j) * Kp + c, w);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
+      for (int p = 0; p < kPixelsPerItem<K>; ++p) {
+        float v[8];
+        unpack8<T>(pixel[p][i][j], v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[p][e] = fmaf(w[e], v[e], acc[p][e]);
+      }
     }
   }
 }
@@ -166,6 +178,7 @@ constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 
 template <typename T, int K, int Rows>
 __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
+  static_assert(Rows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
@@ -190,23 +203,33 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
 
   const int groups = Kp / 8;
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
-  for (int item = threadIdx.x; item < Rows * groups; item += kThreads) {
-    const int r = item / groups, c = (item % groups) * 8;
-    float acc[8];
-    load_floats8(taps + K * K * Kp + c, acc);
-    if (rows.pixel[r] >= 0 && c < Cin) {
-      WindowSource<T, K> src;
-      src.y0 = sources.y[r];
-      src.corner = args.input + sources.offset[r] + (static_cast<int64_t>(src.y0) * args.W + sources.x[r]) * Cin + c;
+  for (int item = threadIdx.x; item < (Rows / kPixelsPerItem<K>) * groups; item += kThreads) {
+    const int r0 = (item / groups) * kPixelsPerItem<K>, c = (item % groups) * 8;
+    float acc[kPixelsPerItem<K>][8];
+    WindowSource<T, K> src[kPixelsPerItem<K>];
 #pragma unroll
-      for (int j = 0; j < K; ++j) src.column_inside[j] = sources.x[r] + j >= 0 && sources.x[r] + j < args.W;
+    for (int p = 0; p < kPixelsPerItem<K>; ++p) {
+      const int r = r0 + p;
+      load_floats8(taps + K * K * Kp + c, acc[p]);
+      // A pixel past the end reads nothing: its columns all count as outside.
+      const bool live = rows.pixel[r] >= 0;
+      src[p].y0 = sources.y[r];
+      src[p].corner =
+          args.input + sources.offset[r] + (static_cast<int64_t>(src[p].y0) * args.W + sources.x[r]) * Cin + c;
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        src[p].column_inside[j] = live && sources.x[r] + j >= 0 && sources.x[r] + j < args.W;
+      }
+    }
+    if (c < Cin) {
       constexpr int count = kRowsInFlight<K>;
 #pragma unroll
       for (int i0 = 0; i0 < K; i0 += count) {
         depthwise_rows<T, K, count>(src, i0, args.H, row_step, Cin, args.vector_input, c, taps, Kp, acc);
       }
     }
-    store_a8<T>(a_tile + r * a_stride, c, acc);
+#pragma unroll
+    for (int p = 0; p < kPixelsPerItem<K>; ++p) store_a8<T>(a_tile + (r0 + p) * a_stride, c, acc[p]);
   }
   __syncthreads();
   finish_block<T, Rows>(shared, args.layout, s, rows);
@@ -237,53 +260,48 @@ struct FirstArgs {
 };
 
 // The image window of a tile, normalized, into shared memory as float
-// [C0][win0_h][win0_w]; zero outside the image. Warps take rows, lanes take
-// columns; per channel a warp issues the loads of all its rows before storing
-// any, so a block waits for about C0 memory round trips. Offsets step by the
-// layout's strides: no division and no 64-bit multiply per element.
-template <typename In, typename T>
+// [C0][win0_h][win0_w]; zero outside the image. Threads take window
+// positions (the same ones for every channel, so their offsets are computed
+// once), and every load of every channel is issued before any is used: a
+// block waits for one memory round trip. Offsets step by the layout's
+// strides: no division and no 64-bit multiply per element.
+template <typename In, typename T, int K>
 __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
                                   float* image) {
-  constexpr int kColumnsPerLane = 2, kRowsPerWarp = ceil_div(kMaxImageWindow, kWarps);
-  static_assert(kMaxImageWindow <= 32 * kColumnsPerLane, "a lane's columns cover the widest image window");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kWindow = ((kTile - 1) * 2 + K - 1) * 2 + K;  // both strides 2: the widest for this K
+  constexpr int kSlots = ceil_div(kWindow * kWindow, kThreads);
   const int64_t x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? int64_t{a.W0} * a.C0 : a.W0;
   const int64_t c_step = a.nhwc ? 1 : int64_t{a.H0} * a.W0;
   const In* origin = images + n * a.C0 * a.H0 * a.W0;
-  bool x_inside[kColumnsPerLane];
-  int64_t x_offset[kColumnsPerLane];
+  const int window = a.win0_h * a.win0_w;
+  bool inside[kSlots];
+  int64_t offset[kSlots];
 #pragma unroll
-  for (int h = 0; h < kColumnsPerLane; ++h) {
-    const int x = x_origin + lane + 32 * h;
-    x_inside[h] = lane + 32 * h < a.win0_w && x >= 0 && x < a.W0;
-    x_offset[h] = x * x_step;
+  for (int s = 0; s < kSlots; ++s) {
+    const int q = threadIdx.x + s * kThreads;
+    const int y = y_origin + q / a.win0_w, x = x_origin + q % a.win0_w;
+    inside[s] = q < window && y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
+    // Positions outside read the image's first pixel, so the loads carry no
+    // branch and all issue before the first is used.
+    offset[s] = inside[s] ? y * y_step + x * x_step : 0;
   }
-  for (int c = 0; c < a.C0; ++c) {
+  float v[kMaxImageChannels][kSlots];
+#pragma unroll
+  for (int c = 0; c < kMaxImageChannels; ++c) {
+    const In* plane = origin + min(c, a.C0 - 1) * c_step;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) v[c][s] = static_cast<float>(__ldg(plane + offset[s]));
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxImageChannels; ++c) {
+    if (c >= a.C0) break;
     const float mean = a.mean[c], inv_std = a.inv_std[c];
-    float v[kRowsPerWarp][kColumnsPerLane];
 #pragma unroll
-    for (int b = 0; b < kRowsPerWarp; ++b) {
-      const int y = y_origin + warp + b * kWarps;
-      const bool y_inside = warp + b * kWarps < a.win0_h && y >= 0 && y < a.H0;
-      const In* row = origin + c * c_step + y * y_step;
-#pragma unroll
-      for (int h = 0; h < kColumnsPerLane; ++h) {
-        // Every lane loads (taps outside read the image's first element), so
-        // the loads carry no branch and all issue before the first is used.
-        const bool inside = y_inside && x_inside[h];
-        const float raw = static_cast<float>(__ldg(inside ? row + x_offset[h] : origin));
-        // Zero after normalization: padding is zero in normalized space.
-        v[b][h] = !inside ? 0.0f : std::is_same_v<In, uint8_t> ? (raw - mean) * inv_std : raw;
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kRowsPerWarp; ++b) {
-      const int y = warp + b * kWarps;
-#pragma unroll
-      for (int h = 0; h < kColumnsPerLane; ++h) {
-        const int x = lane + 32 * h;
-        if (y < a.win0_h && x < a.win0_w) image[(c * a.win0_h + y) * a.win0_w + x] = v[b][h];
-      }
+    for (int s = 0; s < kSlots; ++s) {
+      const int q = threadIdx.x + s * kThreads;
+      // Zero after normalization: padding is zero in normalized space.
+      const float value = std::is_same_v<In, uint8_t> ? (v[c][s] - mean) * inv_std : v[c][s];
+      if (q < window) image[c * window + q] = inside[s] ? value : 0.0f;
     }
   }
 }
@@ -399,9 +417,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
   }
   if (args.uint8_input) {
-    load_image_window(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin, image);
+    load_image_window<uint8_t, T, K>(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin, image);
   } else {
-    load_image_window(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
+    load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
   }
   load_stage1_weight(args, Kp, w1, b1);
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);

@@ -1,15 +1,18 @@
 """`lumenbridge tokenize --out DIR`: sharded output, its index and errors file,
 WebDataset tars and file lists, refusing a folder of another run, resuming
-after SIGKILL to the same bytes, torchrun with gloo, and reading it back."""
+after SIGKILL to the same bytes, torchrun with gloo (on one node and on two), and
+reading it back."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from lumenbridge.sources import expand_braces, scan_tar
 SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
 COMMAND = [sys.executable, "-m", "lumenbridge"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def environment(**overrides):
@@ -400,27 +404,36 @@ def test_a_run_killed_at_any_point_resumes_to_the_same_bytes(tmp_path, dataset):
 
 # --- torchrun ----------------------------------------------------------------------------------
 
+NODE_TIMEOUT = 120  # seconds: a hung rendezvous or end-of-run wait fails the test instead of blocking CI
 
-def test_torchrun_two_processes_match_one(tmp_path, dataset):
-    common = [*dataset, *FAST[:-4], "--image-size", "32", "--device", "cpu", "--shard-size", "6", "--batch-size", "4"]
-    single = run_cli([*common, "--workers", "1", "--out", tmp_path / "single"])
-    assert single.returncode == 1, single.stderr
+
+@pytest.fixture
+def job(tmp_path, dataset):
+    """The arguments of a small sharded run (7 shards) and its output made by one process."""
+    arguments = [*dataset, "--preset", SMALL, "--image-size", "32", "--device", "cpu"]
+    arguments += ["--shard-size", "6", "--batch-size", "4", "--workers", "1"]
+    single = run_cli([*arguments, "--out", tmp_path / "single"])
+    assert single.returncode == 1, single.stderr  # the bad image is skipped
+    return arguments, tmp_path / "single"
+
+
+def torchrun_tokenize(launch: list[str], arguments) -> list[str]:
+    return [*TORCHRUN, *launch, "-m", "lumenbridge", "tokenize", *map(str, arguments)]
+
+
+def assert_same_output(out: Path, reference: Path) -> None:
+    """The same index and the same tokens for every key (checked first, to say which differ), then every byte."""
+    assert (out / "index.jsonl").read_bytes() == (reference / "index.jsonl").read_bytes()
+    one, two = lumenbridge.read_tokens(reference), lumenbridge.read_tokens(out)
+    for (key_one, tokens_one, _), (key_two, tokens_two, _) in zip(one, two, strict=True):
+        assert key_one == key_two and torch.equal(tokens_one, tokens_two), key_one
+    assert tree(out) == tree(reference)
+
+
+def test_torchrun_two_processes_match_one(tmp_path, job):
+    arguments, single = job
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "lumenbridge",
-            "tokenize",
-            *map(str, common),
-            "--workers",
-            "1",
-            "--out",
-            str(tmp_path / "two"),
-        ],
+        torchrun_tokenize(["--standalone", "--nproc_per_node=2"], [*arguments, "--out", tmp_path / "two"]),
         env=environment(),
         capture_output=True,
         text=True,
@@ -429,12 +442,95 @@ def test_torchrun_two_processes_match_one(tmp_path, dataset):
     )
     assert run.returncode == 0, run.stderr  # under torchrun skipped images do not fail the job
     assert "2 on cpu" in run.stdout and run.stdout.count("tokenized ") == 1  # one summary, from rank 0
-    single_index = (tmp_path / "single" / "index.jsonl").read_bytes()
-    assert (tmp_path / "two" / "index.jsonl").read_bytes() == single_index
-    one, two = lumenbridge.read_tokens(tmp_path / "single"), lumenbridge.read_tokens(tmp_path / "two")
-    for (key_one, tokens_one, _), (key_two, tokens_two, _) in zip(one, two, strict=True):
-        assert key_one == key_two and torch.equal(tokens_one, tokens_two)
-    assert tree(tmp_path / "two") == tree(tmp_path / "single")
+    assert_same_output(tmp_path / "two", single)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_nodes(commands: list[list[str]], homes: list[Path], **env) -> list[tuple[int, str, str]]:
+    """Runs one command per node, all at once, each in its own folder with its own
+    temporary folder (as separate machines would); (exit code, stdout, stderr) of each.
+    Past NODE_TIMEOUT every node still running is stopped and the test fails."""
+    processes = []
+    for command, home in zip(commands, homes, strict=True):
+        home.mkdir(exist_ok=True)
+        with open(home / "stdout", "w") as stdout, open(home / "stderr", "w") as stderr:
+            node_env = environment(TMPDIR=str(home), **env)
+            processes.append(subprocess.Popen(command, cwd=home, env=node_env, stdout=stdout, stderr=stderr))
+    deadline = time.monotonic() + NODE_TIMEOUT
+    try:
+        for process in processes:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.terminate()  # torchrun stops its workers on SIGTERM
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        stderr = "\n".join((home / "stderr").read_text() for home in homes)
+        pytest.fail(f"the torchrun nodes did not finish in {NODE_TIMEOUT} s:\n{stderr}")
+    return [
+        (process.returncode, (home / "stdout").read_text(), (home / "stderr").read_text())
+        for process, home in zip(processes, homes, strict=True)
+    ]
+
+
+def test_torchrun_two_nodes_match_one(tmp_path, job):
+    arguments, single = job
+    # c10d rendezvous, as in the README: the node that binds the endpoint first hosts
+    # the store, and ranks go by the rendezvous' order (--node-rank is read only by the
+    # static rendezvous), so either node may be rank 0.
+    launch = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d"]
+    launch += [f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes"]
+    report = tmp_path / "report.json"
+    command = torchrun_tokenize(launch, [*arguments, "--out", tmp_path / "two", "--report", report])
+    nodes = run_nodes([command, command], [tmp_path / "node0", tmp_path / "node1"])
+    for code, _, stderr in nodes:
+        assert code == 0, stderr
+    summaries = [stdout for _, stdout, _ in nodes if "tokenized " in stdout]
+    assert len(summaries) == 1 and "2 on cpu" in summaries[0]  # one summary, from the global rank 0
+    # Each rank (LOCAL_RANK 0 on both nodes) wrote its own share of the 7 shards.
+    assert sorted(stats["shards"] for stats in json.loads(report.read_text())["per_rank"]) == [3, 4]
+    assert_same_output(tmp_path / "two", single)
+
+
+def static_nodes(arguments) -> list[list[str]]:
+    """The commands of two nodes under the static rendezvous: node 0 hosts the store and
+    runs rank 0, node 1 runs rank 1 (the c10d rendezvous would order them by arrival)."""
+    launch = ["--nnodes=2", "--nproc_per_node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    return [torchrun_tokenize([*launch, f"--node-rank={node}"], arguments) for node in range(2)]
+
+
+def test_a_dead_node_stops_the_other_and_the_same_command_resumes(tmp_path, job):
+    arguments, single = job
+    out, homes = tmp_path / "two", [tmp_path / "node0", tmp_path / "node1"]
+    # Static, so that the rank that dies is never the store's host: rank 0 cannot learn of it from the store.
+    commands = static_nodes([*arguments, "--out", out])
+    (code0, _, stderr0), (code1, _, stderr1) = run_nodes(commands, homes, **{pipeline.KILL_ENV: "decode:1"})
+    assert code1 != 0 and "SIGKILL" in stderr1  # rank 1 was killed as it began shard 1
+    assert code0 != 0, stderr0  # rank 0 wrote its own shards, then failed instead of waiting for ever
+    assert shards.pending_shards(str(out), 7) == [1, 3, 5] and not (out / "index.jsonl").exists()
+    for code, _, stderr in run_nodes(commands, homes):
+        assert code == 0, stderr
+    assert_same_output(out, single)
+
+
+def test_every_node_must_see_the_same_output_folder(tmp_path, images):
+    homes = [tmp_path / "node0", tmp_path / "node1"]
+    # A relative --out from two working folders: two folders, as a DIR on a disk of each machine would be.
+    commands = static_nodes([tmp_path / "images", "--out", "out", *FAST, "--shard-size", "5"])
+    (code0, _, stderr0), (code1, _, _) = run_nodes(commands, homes)
+    assert code0 != 0 and code1 != 0
+    assert "is not the same folder for every rank (not seeing the run that rank 0 prepared there: rank 1)" in stderr0
+    assert os.listdir(homes[0] / "out") == ["lumenbridge.json"]  # refused before any shard was written
+    assert not (homes[1] / "out").exists()
 
 
 # --- the GPU decode path (its logic on the CPU here; on CUDA in gpu_check) ---------------------

@@ -1,7 +1,7 @@
 """The torchrun side of a sharded run: rank and world size from the
 environment torchrun sets, a gloo process group for the few small messages
-the ranks exchange (the plan's tar listings, rank 0's list of shards to do),
-and its key-value store for progress and the end-of-run handshake.
+the ranks exchange (the plan's tar listings, rank 0's list of shards to do)
+and the end-of-run barrier, and its key-value store for progress and stats.
 
 Nothing here moves tokens: every rank writes its own shards to the shared
 output folder, so the coordination is small and runs on the CPU (gloo) on
@@ -87,8 +87,7 @@ class Group:
             result[rank :: self.world] = piece
         return result
 
-    # Progress and the end of the run go through the store: no rank waits in a
-    # collective while another is still working.
+    # Progress and the ranks' stats go through the store; the end of the run is a barrier.
 
     def add(self, name: str, amount: int) -> int:
         if not self.distributed:
@@ -102,18 +101,24 @@ class Group:
     def fetch(self, name: str) -> Any:
         return json.loads(self.store.get(PREFIX + name))
 
-    def wait_for_all(self, on_tick: Callable[[], None], interval: float = 0.25) -> list[dict]:
-        """On rank 0: waits until every rank has called finished(), calling on_tick
-        meanwhile; returns every rank's published stats."""
-        while self.add("finished", 0) < self.world:
+    def wait_for_all(self, stats: dict, on_tick: Callable[[], None], interval: float = 0.25) -> list[dict]:
+        """Called by every rank once its shards are written: returns every rank's stats
+        when all are, calling on_tick meanwhile. A barrier, not a count in the store: a
+        rank that dies closes its gloo connections and the barrier raises, where a count
+        would wait for ever for a rank on another machine (torchrun stops only the
+        ranks of the machine where one failed)."""
+        if not self.distributed:
+            return [stats]
+        import torch.distributed as dist
+
+        self.publish(f"stats/{self.rank}", stats)
+        barrier = dist.barrier(async_op=True)
+        while not barrier.is_completed():
             on_tick()
             time.sleep(interval)
+        barrier.wait()  # raises if a rank died
         on_tick()
         return [self.fetch(f"stats/{rank}") for rank in range(self.world)]
-
-    def finished(self, stats: dict) -> None:
-        self.publish(f"stats/{self.rank}", stats)
-        self.add("finished", 1)
 
     def close(self) -> None:
         if self.initialized_here:

@@ -706,8 +706,6 @@ def run(
     started = time.perf_counter()
     plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
     digest = plan_digest(plan)
-    if len(set(group.all_gather(digest))) != 1:
-        raise shards.OutputError("the ranks found different inputs: every rank must see the same files")
     count = shards.shard_count(len(plan), options.shard_size)
     manifest = build_manifest(digest, len(plan), count, options, model, weights, weights_digest(model))
     content = {key: manifest[key] for key in ("version", "inputs", "settings", "model")}
@@ -716,12 +714,13 @@ def run(
 
     with contextlib.ExitStack() as held:
 
-        def prepare() -> list[int]:
+        def prepare() -> tuple[list[int], dict]:
             held.enter_context(shards.run_lock(options.out))
             shards.prepare_output_dir(options.out, manifest, overwrite=overwrite, allow_mixed=allow_mixed)
-            return shards.pending_shards(options.out, count)
+            return shards.pending_shards(options.out, count), shards.read_manifest(options.out)
 
-        pending = group.from_main(prepare)
+        pending, stored = group.from_main(prepare)
+        check_every_rank_sees(options.out, stored, group)
         mine = pending[group.rank :: group.world]
 
         def images_in(shard: int) -> int:
@@ -753,8 +752,8 @@ def run(
             stats = tokenize_shards(model, plan, mine, count, options, metadata, group, update)
             if group.distributed:
                 sync_progress(force=True)
-            group.finished(stats.as_dict())
-            every = group.wait_for_all(lambda: sync_progress(force=True)) if group.main and group.distributed else None
+            refresh = (lambda: sync_progress(force=True)) if group.main else (lambda: None)
+            every = group.wait_for_all(stats.as_dict(), refresh)
         finally:
             bar.close()
         if not group.main:
@@ -772,7 +771,6 @@ def run(
             )
         _maybe_kill("index", "run")
         rows, errors = shards.finish_run(options.out, count)
-        every = every or [stats.as_dict()]
         shape = json.loads(json.dumps(row_shape_of(options.out, count)))
     return RunResult(
         rows,
@@ -786,6 +784,26 @@ def run(
         group.world,
         shape,
     )
+
+
+def check_every_rank_sees(out: str, stored: dict, group: Group) -> None:
+    """Fails every rank, before any work, unless each finds in DIR the manifest that
+    rank 0 left there: on machines that do not share DIR (or resolve a relative --out
+    in other working folders) the shards would be scattered between folders."""
+
+    def sees() -> bool:
+        try:
+            return shards.read_manifest(out) == stored
+        except (OSError, ValueError):
+            return False
+
+    blind = [rank for rank, seen in enumerate(group.all_gather(sees())) if not seen]
+    if blind:
+        raise shards.OutputError(
+            f"--out {out} is not the same folder for every rank (not seeing the run that rank 0 prepared there: "
+            f"rank {', '.join(map(str, blind))}); on several machines DIR must be on a file system that all of "
+            "them see, at the same path"
+        )
 
 
 def row_shape_of(directory: str, count: int) -> list[int]:

@@ -209,6 +209,22 @@ def test_an_unexpected_error_exits_3_not_1(tmp_path, good_images, monkeypatch, c
     assert not out.exists()
 
 
+def test_an_unexpected_error_in_a_sharded_run_says_the_finished_shards_are_kept(
+    tmp_path, good_images, monkeypatch, capsys
+):
+    from lumenbridge import pipeline
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(pipeline, "run", crash)
+    assert cli.main(["tokenize", *good_images, "--out", str(tmp_path / "shards"), *FAST]) == 3
+    err = capsys.readouterr().err
+    assert "CUDA out of memory" in err
+    assert "the shards finished before it are kept, and the same command resumes the run" in err
+    assert "no output was written" not in err
+
+
 def test_a_device_without_kernels_is_a_usage_error(tmp_path, good_images, capsys):
     assert (
         cli.main(["tokenize", *good_images, "--out", str(tmp_path / "t.safetensors"), *SMALL_MODEL, "--device", "meta"])

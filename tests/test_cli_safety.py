@@ -282,9 +282,23 @@ def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
     assert not out.exists()
 
 
+def wait_until_importing_torch(pid: int, timeout: float = 60.0) -> None:
+    """Returns once the process has mapped torch's library: it is past the
+    interpreter's own start-up and inside the command line's import of torch
+    (a fixed sleep is too short on a loaded machine)."""
+    maps = Path(f"/proc/{pid}/maps")
+    if not maps.exists():
+        time.sleep(2.0)  # no /proc: the import takes seconds, so this lands inside it
+        return
+    deadline = time.monotonic() + timeout
+    while "libtorch" not in maps.read_text():
+        assert time.monotonic() < deadline, "the command never started importing torch"
+        time.sleep(0.01)
+
+
 def test_ctrl_c_while_starting_up_prints_one_line_and_exits_130():
     process = start_job([*COMMAND, "info"])
-    time.sleep(0.5)  # the interpreter is running and importing torch
+    wait_until_importing_torch(process.pid)
     err = interrupt(process)
     assert process.returncode == 130, err
     assert err.strip() == "lumenbridge: interrupted"

@@ -307,7 +307,7 @@ def background_color(name: str, model: lumenbridge.VisualTokenizer) -> tuple[int
     """The RGB colour for --background: a colour name or #hex, or "mean", the
     model's normalization mean (transparent pixels then normalize to zero)."""
     if name == "mean":
-        return tuple(round(255 * channel) for channel in model.config.mean)
+        return tuple(round(channel) for channel in model.config.pixel_mean)
     try:
         return ImageColor.getrgb(name)[:3]
     except ValueError as error:
@@ -770,8 +770,16 @@ def run_command(argv: Sequence[str] | None) -> int:
     except Exception:  # noqa: BLE001 - any crash must map to EXIT_CRASH
         # Keep exit code 1 meaning "written, some images skipped": a crash is its own code.
         traceback.print_exc()
-        print("lumenbridge: error: the run stopped on an unexpected error; no output was written", file=sys.stderr)
+        print(f"lumenbridge: error: the run stopped on an unexpected error; {crash_outcome(args)}", file=sys.stderr)
         return EXIT_CRASH
+
+
+def crash_outcome(args: argparse.Namespace) -> str:
+    """What a crash left behind: sharded output keeps every shard finished before it."""
+    out = getattr(args, "out", None)
+    if out is not None and is_directory_output(out):
+        return "the shards finished before it are kept, and the same command resumes the run"
+    return "no output was written"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,6 +100,16 @@ class TokenizerConfig:
             raise TypeError(f"TokenizerConfig: token_norm must be true or false, got {self.token_norm!r}")
 
     @property
+    def pixel_mean(self) -> tuple[float, ...]:
+        """mean on the 0..255 scale of uint8 pixels."""
+        return tuple(255.0 * m for m in self.mean)
+
+    @property
+    def pixel_std(self) -> tuple[float, ...]:
+        """std on the 0..255 scale of uint8 pixels."""
+        return tuple(255.0 * s for s in self.std)
+
+    @property
     def total_stride(self) -> int:
         """How many input pixels one token spans per side."""
         return math.prod(self.strides)

@@ -54,6 +54,11 @@ class SeparableStage(nn.Module):
         return self.norm(x)
 
 
+def pixel_statistics(cfg: TokenizerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalization buffers, mean and std on the uint8 scale, shaped [1, C, 1, 1]."""
+    return tuple(torch.tensor(v).view(1, -1, 1, 1) for v in (cfg.pixel_mean, cfg.pixel_std))
+
+
 class VisualTokenizer(nn.Module):
     """Turns images into a token sequence for transformer attention.
 
@@ -103,8 +108,9 @@ class VisualTokenizer(nn.Module):
             )
             self.act = _make_activation(cfg.activation)
             self.token_norm = nn.LayerNorm(cfg.embed_dim, eps=NORM_EPS) if cfg.token_norm else nn.Identity()
-        self.register_buffer("pixel_mean", 255.0 * torch.tensor(cfg.mean).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("pixel_std", 255.0 * torch.tensor(cfg.std).view(1, -1, 1, 1), persistent=False)
+        mean, std = pixel_statistics(cfg)
+        self.register_buffer("pixel_mean", mean, persistent=False)
+        self.register_buffer("pixel_std", std, persistent=False)
 
     @property
     def embed_dim(self) -> int:

@@ -273,8 +273,8 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
         None if token_norm is None else token_norm.weight,
         None if token_norm is None else token_norm.bias,
         model.norm_eps,
-        [255.0 * m for m in cfg.mean],
-        [255.0 * s for s in cfg.std],
+        list(cfg.pixel_mean),
+        list(cfg.pixel_std),
         list(model.padded_size(*images.shape[2:])),
         cfg.output_fmt,
     )

@@ -22,7 +22,7 @@ from transformers.models.clip.modeling_clip import CLIPVisionEmbeddings, CLIPVis
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings, SiglipVisionModel
 
 from ..config import TokenizerConfig
-from ..model import VisualTokenizer
+from ..model import VisualTokenizer, pixel_statistics
 from . import tokenizer_config
 
 # The architecture fields; the model always emits [B, N, D], so output_fmt is not one.
@@ -75,8 +75,9 @@ class LumenBridgeVisionModel(PreTrainedModel):
         # from) rather than transformers' generic normal(0, 0.02); only the normalization
         # buffers, which are not in the checkpoint, are (re)computed here.
         if isinstance(module, VisualTokenizer):
-            module.pixel_mean.copy_(255.0 * torch.tensor(module.config.mean).view(1, -1, 1, 1))
-            module.pixel_std.copy_(255.0 * torch.tensor(module.config.std).view(1, -1, 1, 1))
+            mean, std = pixel_statistics(module.config)
+            module.pixel_mean.copy_(mean)
+            module.pixel_std.copy_(std)
 
     def forward(self, pixel_values: torch.Tensor) -> BaseModelOutput:
         return BaseModelOutput(last_hidden_state=self.tokenizer(pixel_values))

@@ -8,8 +8,9 @@
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_PARTS picks
 #   sanitize_kernels.py's parts (default: depthwise fused backward), and
 #   RACECHECK_PARTS those of the slow racecheck (default: the same); BENCHES
-#   picks benchmarks (default: depthwise tokenizer fused); FUSED_BENCH_ARGS goes
-#   to bench_fused.py (--quick, --cases).
+#   picks benchmarks (default: depthwise tokenizer fused; also profile, the
+#   per-kernel times of a forward and of a training step); FUSED_BENCH_ARGS
+#   goes to bench_fused.py (--quick, --cases).
 #   STEP_TIMEOUT caps each step in seconds (default: none). PACK=1 leaves
 #   $OUT holding one archive, logs.tar.gz, of everything it wrote (for a
 #   machine that returns only a few files per call).
@@ -67,6 +68,8 @@ if [[ $parts == *" bench "* ]]; then
   [[ $benches == *" tokenizer "* ]] && step tokenizer-benchmark python3 benchmarks/bench_tokenizer.py --out "$OUT"
   # shellcheck disable=SC2086
   [[ $benches == *" fused "* ]] && step fused-benchmark python3 benchmarks/bench_fused.py --out "$OUT" ${FUSED_BENCH_ARGS:-}
+  [[ $benches == *" profile "* ]] && step profile python3 scripts/profile_tokenize.py
+  [[ $benches == *" profile "* ]] && step profile-train python3 scripts/profile_tokenize.py --train
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"

@@ -38,11 +38,10 @@ assert native.ready(), "the LumenBridge extension did not build"
 ops = torch.ops.lumenbridge
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMATS = (torch.contiguous_format, torch.channels_last)
-DEPTHWISE = "depthwise" in parts
 DEPTHWISE_CASES = itertools.product(
     ((21, 38), (70, 64), (20, 24), (9, 13)), (3, 5, 7), (1, 2), DTYPES, FORMATS, (32, 6, 13)
 )
-for (h, w), k, stride, dtype, fmt, channels in DEPTHWISE_CASES if DEPTHWISE else ():
+for (h, w), k, stride, dtype, fmt, channels in DEPTHWISE_CASES if "depthwise" in parts else ():
     x = torch.randn(2, channels, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
     weight = torch.randn(channels, 1, k, k, device="cuda", dtype=dtype)
     bias = torch.randn(channels, device="cuda", dtype=dtype)
@@ -50,7 +49,7 @@ for (h, w), k, stride, dtype, fmt, channels in DEPTHWISE_CASES if DEPTHWISE else
     grad = torch.randn_like(y).contiguous(memory_format=fmt)
     ops.depthwise_conv2d_backward_input(grad, weight, stride, [h, w])
     ops.depthwise_conv2d_backward_weight(grad, x, k, stride)
-for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS) if DEPTHWISE else ():
+for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS) if "depthwise" in parts else ():
     x = torch.randn(96, 64, 32, 32, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
     weight = torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype)
     grad = torch.randn_like(ops.depthwise_conv2d(x, weight, None, stride))

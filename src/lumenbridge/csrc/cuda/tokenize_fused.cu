@@ -215,12 +215,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
   for (int item = threadIdx.x; item < (Rows / kPixelsPerItem<K>) * groups; item += kThreads) {
     const int r0 = (item / groups) * kPixelsPerItem<K>, c = (item % groups) * 8;
+    float bias[8];
+    load_floats8(taps + K * K * Kp + c, bias);
     float acc[kPixelsPerItem<K>][8];
     WindowSource<T, K> src[kPixelsPerItem<K>];
 #pragma unroll
     for (int p = 0; p < kPixelsPerItem<K>; ++p) {
       const int r = r0 + p;
-      load_floats8(taps + K * K * Kp + c, acc[p]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[p][e] = bias[e];
       // A pixel past the end reads nothing: its columns all count as outside.
       const bool live = rows.pixel[r] >= 0;
       src[p].y0 = sources.y[r];

@@ -74,6 +74,19 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
   }
 }
 
+// 16 bytes of shared memory in one instruction. A plain uint4 or float4 read
+// whose elements are each used on their own is split by the compiler into
+// 2- or 4-byte loads (seen in the PTX of the first kernel's stage-2
+// depthwise: 12 loads per tap instead of 3), which floods the shared-memory
+// pipe. Volatile, as CUTLASS's shared loads are, so it stays behind barriers.
+__device__ __forceinline__ uint4 load_shared16(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
   return make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),

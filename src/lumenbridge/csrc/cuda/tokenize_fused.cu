@@ -85,6 +85,16 @@ __device__ __forceinline__ void load_floats8(const float* p, float (&v)[8]) {
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
+// The same as two forced 16-byte loads, for the first kernel's stage-2 loop,
+// where the compiler splits the plain reads into eight (the stage kernels'
+// reads stay whole, and forcing them there costs K = 7 registers).
+__device__ __forceinline__ void load_shared_floats8(const float* p, float (&v)[8]) {
+  const uint4 lo = load_shared16(p), hi = load_shared16(p + 4);
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = __uint_as_float(w[e]);
+}
+
 __host__ __device__ constexpr size_t taps_bytes(int K, int k_padded) {
   return sizeof(float) * (K * K + 1) * k_padded;
 }
@@ -205,12 +215,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
   for (int item = threadIdx.x; item < (Rows / kPixelsPerItem<K>) * groups; item += kThreads) {
     const int r0 = (item / groups) * kPixelsPerItem<K>, c = (item % groups) * 8;
+    float bias[8];
+    load_floats8(taps + K * K * Kp + c, bias);
     float acc[kPixelsPerItem<K>][8];
     WindowSource<T, K> src[kPixelsPerItem<K>];
 #pragma unroll
     for (int p = 0; p < kPixelsPerItem<K>; ++p) {
       const int r = r0 + p;
-      load_floats8(taps + K * K * Kp + c, acc[p]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[p][e] = bias[e];
       // A pixel past the end reads nothing: its columns all count as outside.
       const bool live = rows.pixel[r] >= 0;
       src[p].y0 = sources.y[r];
@@ -255,7 +268,7 @@ struct FirstArgs {
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win1_w, win0_h, win0_w;
   int s1_stride;
-  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset;  // within the region
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset;  // within the region
   SharedLayout layout;
 };
 
@@ -320,10 +333,13 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
 // rounding PyTorch applies between the two convolutions), channels past C0
 // and rows past the window zero: the A operand of the stage-1 pointwise step.
-// `inside` records which window positions lie in the stage-1 extent.
+// `inside` records which window positions lie in the stage-1 extent. The taps
+// come from shared memory ([K * K + 1][kMaxImageChannels] float, bias last):
+// read from the weight tensor, each would be a global load and a conversion
+// per tap and position.
 template <typename T, int K>
-__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, T* d1, bool* inside, int padded_rows,
-                                 int y_origin, int x_origin) {
+__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
+                                 int padded_rows, int y_origin, int x_origin) {
   const int win1 = a.win1_h * a.win1_w, win0 = a.win0_h * a.win0_w;
   for (int q = threadIdx.x; q < padded_rows; q += kThreads) {
     float out[8] = {};
@@ -334,12 +350,12 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, T* d
       for (int c = 0; c < kMaxImageChannels; ++c) {
         if (c >= a.C0) continue;
         const float* src = image + c * win0 + (y * a.stride1) * a.win0_w + x * a.stride1;
-        float acc = static_cast<float>(a.dw1_bias[c]);
+        float acc = taps1[K * K * kMaxImageChannels + c];
 #pragma unroll
         for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
           for (int kx = 0; kx < K; ++kx) {
-            acc = fmaf(static_cast<float>(a.dw1_weight[(c * K + ky) * K + kx]), src[ky * a.win0_w + kx], acc);
+            acc = fmaf(taps1[(ky * K + kx) * kMaxImageChannels + c], src[ky * a.win0_w + kx], acc);
           }
         }
         out[c] = acc;
@@ -400,6 +416,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
   T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
   float* taps = reinterpret_cast<float*>(region + args.taps_offset);    // [K * K + 1][Kp]
+  float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
 
@@ -422,10 +439,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
   }
   load_stage1_weight(args, Kp, w1, b1);
+  load_depthwise_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
   __syncthreads();
 
-  stage1_depthwise<T, K>(args, image, d1, inside, padded_rows, y1_origin, x1_origin);
+  stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, y1_origin, x1_origin);
   __syncthreads();
 
   stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
@@ -444,8 +462,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       for (int kx = 0; kx < K; ++kx) {
         const int q = (py * args.stride2 + ky) * args.win1_w + px * args.stride2 + kx;
         float v[8], w[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(s1 + q * args.s1_stride + c), v);
-        load_floats8(taps + (ky * K + kx) * Kp + c, w);
+        unpack8<T>(load_shared16(s1 + q * args.s1_stride + c), v);
+        load_shared_floats8(taps + (ky * K + kx) * Kp + c, w);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
       }
@@ -460,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
 
 struct FirstGeometry {
   int win1_h, win1_w, win0_h, win0_w, s1_stride;
-  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, scratch;
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset, scratch;
 };
 
 FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, size_t elem) {
@@ -474,7 +492,8 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   g.w1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
   g.s1_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
   g.taps_offset = g.s1_offset + align16(elem * win1 * g.s1_stride);
-  g.scratch = g.taps_offset + align16(taps_bytes(K, k_padded));
+  g.taps1_offset = g.taps_offset + align16(taps_bytes(K, k_padded));
+  g.scratch = g.taps1_offset + align16(taps_bytes(K, kMaxImageChannels));
   return g;
 }
 
@@ -580,6 +599,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.w1_offset = g.w1_offset;
   a.s1_offset = g.s1_offset;
   a.taps_offset = g.taps_offset;
+  a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
   launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, a.layout.total, a);
 }

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lumenbridge import extension
+from lumenbridge.config import KERNEL_SIZES
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
@@ -268,6 +270,15 @@ def test_the_cxx_standard_is_the_one_torch_chooses(native_ops):
     flags = (folder / "build.ninja").read_text().split()
     assert len([flag for flag in flags if flag.startswith("-std=")]) == 1
     assert not any(flag.startswith("-std") for flag in extension._lumenbridge_library(False).cflags)
+
+
+def test_both_compilers_get_the_kernel_sizes_from_config():
+    """nvcc splits a -D value at unescaped commas, and its flags reach the shell unquoted."""
+    define = "-DLUMENBRIDGE_KERNEL_SIZES=" + ",".join(map(str, KERNEL_SIZES))
+    library = extension._lumenbridge_library(True)
+    assert define in library.cflags
+    nvcc_defines = [shlex.split(flag) for flag in library.cuda_cflags if "LUMENBRIDGE_KERNEL_SIZES" in flag]
+    assert nvcc_defines == [[define.replace(",", "\\,")]]
 
 
 # --- item 13: no compiler, one line -------------------------------------------------------

@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .config import KERNEL_SIZES
 
 try:
     import fcntl
@@ -50,6 +53,11 @@ CSRC = Path(__file__).parent / "csrc"
 # at::parallel_for runs serially unless the extension itself is built with
 # OpenMP (as libtorch is on Linux); elsewhere the CPU kernels run on one thread.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+# The kernel sizes the C++ and CUDA code instantiate and accept (csrc/kernel_sizes.h).
+KERNEL_SIZES_DEFINE = "-DLUMENBRIDGE_KERNEL_SIZES=" + ",".join(map(str, KERNEL_SIZES))
+# nvcc splits a -D value at unescaped commas, and cpp_extension writes the
+# nvcc flags into the ninja command line unquoted, for the shell to parse.
+NVCC_KERNEL_SIZES_DEFINE = shlex.quote(KERNEL_SIZES_DEFINE.replace(",", "\\,"))
 # Written into a finished build before it is moved into place; records what it was built from.
 COMPLETE_MARKER = "complete.json"
 # A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
@@ -314,8 +322,14 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
         name="lumenbridge_" + ("cuda" if with_cuda else "cpu"),
         source_dir=CSRC,
         sources=tuple(sources),
-        cflags=("-O3", *OPENMP_FLAGS, *(["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else [])),
-        cuda_cflags=("-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLUMENBRIDGE_WITH_CUDA"),
+        cflags=("-O3", *OPENMP_FLAGS, KERNEL_SIZES_DEFINE, *(["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else [])),
+        cuda_cflags=(
+            "-O3",
+            "-lineinfo",
+            "--expt-relaxed-constexpr",
+            NVCC_KERNEL_SIZES_DEFINE,
+            "-DLUMENBRIDGE_WITH_CUDA",
+        ),
         ldflags=tuple(OPENMP_FLAGS),
         with_cuda=with_cuda,
     )

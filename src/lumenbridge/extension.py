@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -53,11 +52,10 @@ CSRC = Path(__file__).parent / "csrc"
 # at::parallel_for runs serially unless the extension itself is built with
 # OpenMP (as libtorch is on Linux); elsewhere the CPU kernels run on one thread.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
-# The kernel sizes the C++ and CUDA code instantiate and accept (csrc/kernel_sizes.h).
-KERNEL_SIZES_DEFINE = "-DLUMENBRIDGE_KERNEL_SIZES=" + ",".join(map(str, KERNEL_SIZES))
-# nvcc splits a -D value at unescaped commas, and cpp_extension writes the
-# nvcc flags into the ninja command line unquoted, for the shell to parse.
-NVCC_KERNEL_SIZES_DEFINE = shlex.quote(KERNEL_SIZES_DEFINE.replace(",", "\\,"))
+# The kernel sizes the C++ and CUDA code instantiate and accept
+# (csrc/kernel_sizes.h), as a bit mask: a list would need commas, which nvcc
+# splits -D values at.
+KERNEL_SIZES_DEFINE = f"-DLUMENBRIDGE_KERNEL_SIZE_MASK={sum(1 << k for k in KERNEL_SIZES)}"
 # Written into a finished build before it is moved into place; records what it was built from.
 COMPLETE_MARKER = "complete.json"
 # A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
@@ -327,7 +325,7 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
             "-O3",
             "-lineinfo",
             "--expt-relaxed-constexpr",
-            NVCC_KERNEL_SIZES_DEFINE,
+            KERNEL_SIZES_DEFINE,
             "-DLUMENBRIDGE_WITH_CUDA",
         ),
         ldflags=tuple(OPENMP_FLAGS),

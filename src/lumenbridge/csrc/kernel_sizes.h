@@ -1,6 +1,6 @@
 // The depthwise kernel sizes the native kernels implement. The list itself is
 // config.KERNEL_SIZES in Python, which extension.py passes to both compilers
-// as LUMENBRIDGE_KERNEL_SIZES; the gateway's check, its message, the CPU
+// as LUMENBRIDGE_KERNEL_SIZE_MASK; the gateway's check, its message, the CPU
 // buffers and the CUDA instantiations all derive from it here.
 #pragma once
 
@@ -10,24 +10,52 @@
 #include <type_traits>
 #include <utility>
 
-#ifndef LUMENBRIDGE_KERNEL_SIZES
-#error "LUMENBRIDGE_KERNEL_SIZES is not defined: extension.py passes config.KERNEL_SIZES"
+#ifndef LUMENBRIDGE_KERNEL_SIZE_MASK
+#error "LUMENBRIDGE_KERNEL_SIZE_MASK is not defined: extension.py passes config.KERNEL_SIZES"
 #endif
 
 namespace lumenbridge {
 
-using KernelSizes = std::integer_sequence<int, LUMENBRIDGE_KERNEL_SIZES>;
+namespace detail {
+
+// The sizes arrive as a bit mask (bit K set for each K), a flag with no
+// commas, which nvcc would split and the shell would need quoted.
+constexpr uint64_t kKernelSizeMask = LUMENBRIDGE_KERNEL_SIZE_MASK;
+
+constexpr size_t kernel_size_count() {
+  size_t n = 0;
+  for (int k = 0; k < 64; ++k) n += (kKernelSizeMask >> k) & 1;
+  return n;
+}
+
+}  // namespace detail
+
+// The list as values, in increasing order, for messages.
+inline constexpr std::array<int64_t, detail::kernel_size_count()> kKernelSizes = [] {
+  std::array<int64_t, detail::kernel_size_count()> sizes{};
+  size_t n = 0;
+  for (int k = 0; k < 64; ++k) {
+    if ((detail::kKernelSizeMask >> k) & 1) sizes[n++] = k;
+  }
+  return sizes;
+}();
+
+namespace detail {
+
+template <size_t... I>
+constexpr auto kernel_size_sequence(std::index_sequence<I...>) {
+  return std::integer_sequence<int, static_cast<int>(kKernelSizes[I])...>{};
+}
+
+}  // namespace detail
+
+using KernelSizes = decltype(detail::kernel_size_sequence(std::make_index_sequence<kKernelSizes.size()>{}));
 
 namespace detail {
 
 template <int... Ks>
 constexpr bool all_odd_and_positive(std::integer_sequence<int, Ks...>) {
   return ((Ks > 0 && Ks % 2 == 1) && ...);
-}
-
-template <int... Ks>
-constexpr std::array<int64_t, sizeof...(Ks)> as_array(std::integer_sequence<int, Ks...>) {
-  return {Ks...};
 }
 
 template <int... Ks>
@@ -44,10 +72,9 @@ bool visit(std::integer_sequence<int, Ks...>, int64_t k, Body& body) {
 
 // Padding K / 2 on each side keeps the output grid centred only for odd K.
 static_assert(detail::all_odd_and_positive(KernelSizes{}),
-              "LUMENBRIDGE_KERNEL_SIZES must list odd, positive kernel sizes");
+              "config.KERNEL_SIZES must list odd, positive kernel sizes");
 
-// The list as values, for messages; its maximum sizes fixed tap buffers.
-inline constexpr auto kKernelSizes = detail::as_array(KernelSizes{});
+// The largest size, for fixed tap buffers.
 inline constexpr int64_t kMaxKernelSize = detail::max_of(KernelSizes{});
 
 // Calls body(std::integral_constant<int, K>{}) for the listed K equal to k, so

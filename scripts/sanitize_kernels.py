@@ -1,7 +1,7 @@
 """Runs every CUDA kernel variant once on small inputs, for compute-sanitizer.
 
-Covers K in {3, 5, 7}, stride 1 and 2, float32/float16/bfloat16, NCHW and
-NHWC, and the tile paths the sizes select:
+Covers every K in config.KERNEL_SIZES, stride 1 and 2, float32/float16/bfloat16,
+NCHW and NHWC, and the tile paths the sizes select:
   21 x 38  NCHW rows in 8-byte chunks (fp32) or single elements (half types);
            64-wide forward tiles at stride 1, 32-wide at stride 2
   70 x 64  16-byte NCHW chunks, several tile rows
@@ -28,6 +28,7 @@ import itertools
 import torch
 
 from lumenbridge import native
+from lumenbridge.config import KERNEL_SIZES
 from lumenbridge.testing import tokenize_cases
 
 PARTS = ("depthwise", "fused", "backward")
@@ -39,7 +40,7 @@ ops = torch.ops.lumenbridge
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMATS = (torch.contiguous_format, torch.channels_last)
 DEPTHWISE_CASES = itertools.product(
-    ((21, 38), (70, 64), (20, 24), (9, 13)), (3, 5, 7), (1, 2), DTYPES, FORMATS, (32, 6, 13)
+    ((21, 38), (70, 64), (20, 24), (9, 13)), KERNEL_SIZES, (1, 2), DTYPES, FORMATS, (32, 6, 13)
 )
 for (h, w), k, stride, dtype, fmt, channels in DEPTHWISE_CASES if "depthwise" in parts else ():
     x = torch.randn(2, channels, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt)

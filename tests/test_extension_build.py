@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from lumenbridge import extension
+from lumenbridge.config import KERNEL_SIZES
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
@@ -268,6 +269,15 @@ def test_the_cxx_standard_is_the_one_torch_chooses(native_ops):
     flags = (folder / "build.ninja").read_text().split()
     assert len([flag for flag in flags if flag.startswith("-std=")]) == 1
     assert not any(flag.startswith("-std") for flag in extension._lumenbridge_library(False).cflags)
+
+
+def test_both_compilers_get_the_kernel_sizes_from_config():
+    """As a bit mask, so the flag holds no comma (nvcc splits -D values at commas)."""
+    library = extension._lumenbridge_library(True)
+    for flags in (library.cflags, library.cuda_cflags):
+        (define,) = [flag for flag in flags if flag.startswith("-DLUMENBRIDGE_KERNEL_SIZE_MASK=")]
+        mask = int(define.split("=", 1)[1])
+        assert [k for k in range(64) if mask >> k & 1] == sorted(KERNEL_SIZES)
 
 
 # --- item 13: no compiler, one line -------------------------------------------------------

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
 from conftest import HAS_CUDA, device_params
 
 from lumenbridge import reference
+from lumenbridge.config import KERNEL_SIZES
 from lumenbridge.layout import memory_format_of
 
 # (N, C, H, W, K, stride), each there for a reason.
@@ -225,6 +227,10 @@ def test_compile_fullgraph(native_ops, device):
 
 # --- the gateway's checks, each triggered from Python ----------------------------
 
+# The build hands config.KERNEL_SIZES to the gateway, so its message lists exactly them.
+KERNEL_SIZE_MESSAGE = re.escape(f"kernel_size must be one of [{', '.join(map(str, KERNEL_SIZES))}]")
+TOO_LARGE_K = max(KERNEL_SIZES) + 2
+
 
 def bad_calls(device):
     """(description, call, message) for every check in the gateway."""
@@ -256,9 +262,13 @@ def bad_calls(device):
         (
             "even kernel",
             lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, 4, 4, device=device), None, 1),
-            "kernel_size must be 3, 5 or 7",
+            KERNEL_SIZE_MESSAGE,
         ),
-        ("kernel 9", lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, 9, 9, device=device), None, 1), "got 9"),
+        (
+            "kernel past the largest",
+            lambda: ops.depthwise_conv2d(x, torch.randn(4, 1, TOO_LARGE_K, TOO_LARGE_K, device=device), None, 1),
+            f"got {TOO_LARGE_K}",
+        ),
         ("stride 3", lambda: ops.depthwise_conv2d(x, w, None, 3), "stride must be 1 or 2, got 3"),
         (
             "non-dense input",
@@ -295,7 +305,7 @@ def bad_calls(device):
         (
             "backward kernel size",
             lambda: ops.depthwise_conv2d_backward_weight(g, x, 4, 2),
-            "kernel_size must be 3, 5 or 7",
+            KERNEL_SIZE_MESSAGE,
         ),
         ("empty channels", lambda: ops.depthwise_conv2d(x[:, :0], w[:0], None, 1), "at least one channel"),
     ]

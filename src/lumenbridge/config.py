@@ -14,7 +14,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 ACTIVATIONS = ("gelu", "relu", "silu", "none")
 STAGE_NORMS = ("none", "batchnorm", "layernorm")
 OUTPUT_FORMATS = ("NLC", "NCHW", "NHWC")
-# Kernel sizes the native kernels implement; odd so that padding K // 2 keeps the grid aligned.
+# Kernel sizes the native kernels implement, and the only list of them: extension.py
+# builds the C++ and CUDA code for these. Odd so that padding K // 2 keeps the grid aligned.
 KERNEL_SIZES = (3, 5, 7)
 
 

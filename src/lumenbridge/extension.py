@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from .config import KERNEL_SIZES
+
 try:
     import fcntl
 except ImportError:  # Windows: builds run unlocked
@@ -50,6 +52,10 @@ CSRC = Path(__file__).parent / "csrc"
 # at::parallel_for runs serially unless the extension itself is built with
 # OpenMP (as libtorch is on Linux); elsewhere the CPU kernels run on one thread.
 OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
+# The kernel sizes the C++ and CUDA code instantiate and accept
+# (csrc/kernel_sizes.h), as a bit mask: a list would need commas, which nvcc
+# splits -D values at.
+KERNEL_SIZES_DEFINE = f"-DLUMENBRIDGE_KERNEL_SIZE_MASK={sum(1 << k for k in KERNEL_SIZES)}"
 # Written into a finished build before it is moved into place; records what it was built from.
 COMPLETE_MARKER = "complete.json"
 # A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
@@ -314,8 +320,14 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
         name="lumenbridge_" + ("cuda" if with_cuda else "cpu"),
         source_dir=CSRC,
         sources=tuple(sources),
-        cflags=("-O3", *OPENMP_FLAGS, *(["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else [])),
-        cuda_cflags=("-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLUMENBRIDGE_WITH_CUDA"),
+        cflags=("-O3", *OPENMP_FLAGS, KERNEL_SIZES_DEFINE, *(["-DLUMENBRIDGE_WITH_CUDA"] if with_cuda else [])),
+        cuda_cflags=(
+            "-O3",
+            "-lineinfo",
+            "--expt-relaxed-constexpr",
+            KERNEL_SIZES_DEFINE,
+            "-DLUMENBRIDGE_WITH_CUDA",
+        ),
         ldflags=tuple(OPENMP_FLAGS),
         with_cuda=with_cuda,
     )

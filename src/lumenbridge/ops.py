@@ -4,8 +4,8 @@ functions, which hand it to the backend dispatch.select_backend chooses.
 Tensors passed to the native backend must be dense, contiguous NCHW or
 channels-last NHWC; any other strides are rejected by the gateway with an
 error saying how to fix them (VisualTokenizer makes its input dense itself).
-The native backend takes K in {3, 5, 7} and stride 1 or 2; the reference is
-PyTorch's own convolution and takes any odd K and stride."""
+The native backend takes K in config.KERNEL_SIZES and stride 1 or 2; the
+reference is PyTorch's own convolution and takes any odd K and stride."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@
 #include <atomic>
 
 #include "gateway.h"
+#include "kernel_sizes.h"
 #include "tokenize.h"
 
 namespace lumenbridge {
@@ -20,8 +21,6 @@ namespace {
 std::atomic<bool> poison_outputs{false};
 
 void set_poison_outputs(bool enabled) { poison_outputs.store(enabled); }
-
-bool is_supported_kernel_size(int64_t k) { return k == 3 || k == 5 || k == 7; }
 
 void check_dtype(const at::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
@@ -61,11 +60,11 @@ void check_stride(int64_t stride) {
 
 void check_kernel_size(int64_t k) {
   TORCH_CHECK(is_supported_kernel_size(k),
-              "LumenBridge: kernel_size must be 3, 5 or 7 (odd, so padding K/2 is symmetric), got ",
-              text(k));
+              "LumenBridge: kernel_size must be one of ", text(kKernelSizes),
+              " (odd, so padding K/2 is symmetric), got ", text(k));
 }
 
-// Depthwise weight: [C, 1, K, K], dense, K odd in {3, 5, 7}.
+// Depthwise weight: [C, 1, K, K], dense, K one of KernelSizes.
 int64_t check_weight(const at::Tensor& weight, int64_t channels) {
   TORCH_CHECK(weight.dim() == 4 && weight.size(1) == 1 && weight.size(2) == weight.size(3),
               "LumenBridge: weight must have shape [C, 1, K, K], got ", text(weight.sizes()));

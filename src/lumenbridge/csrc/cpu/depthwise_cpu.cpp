@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "../gateway.h"
+#include "../kernel_sizes.h"
 
 namespace lumenbridge::cpu {
 namespace {
 
-constexpr int64_t kMaxK = 7;
-constexpr int64_t kMaxTaps = kMaxK * kMaxK;
+constexpr int64_t kMaxTaps = kMaxKernelSize * kMaxKernelSize;
 // Lanes per register block: enough independent add chains to hide their
 // latency, few enough to stay in registers. Narrow blocks take what is left
 // of a row in the NCHW weight gradient.
@@ -85,7 +85,7 @@ struct LaneBlocks {
 // lanes of a block (outputs x, x + 1, ... reading columns 2x + j) read
 // consecutive values.
 constexpr int64_t kRowsPerTask = 16;
-constexpr int64_t kSlack = kLanes + kMaxK;
+constexpr int64_t kSlack = kLanes + kMaxKernelSize;
 
 // Padded row length: room for the padded columns, divisible by the stride.
 int64_t padded_pitch(int64_t width, int64_t pad, int64_t stride) {

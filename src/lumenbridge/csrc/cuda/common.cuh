@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../gateway.h"
+#include "../kernel_sizes.h"
 
 namespace lumenbridge {
 namespace cuda {
@@ -54,16 +55,12 @@ int vector_width(int max_vec, int64_t extent, std::initializer_list<const void*>
   return aligned ? max_vec : 1;
 }
 
-// Runs `body` with std::integral_constant<int, K> for K in {3, 5, 7}, and
+// Runs `body` with std::integral_constant<int, K> for K in KernelSizes, and
 // likewise for the stride, so kernels see both as compile-time constants.
 template <typename Body>
 void dispatch_kernel_size(int64_t k, Body&& body) {
-  switch (k) {
-    case 3: body(std::integral_constant<int, 3>{}); break;
-    case 5: body(std::integral_constant<int, 5>{}); break;
-    case 7: body(std::integral_constant<int, 7>{}); break;
-    default: TORCH_CHECK(false, "LumenBridge: internal error: unsupported kernel size ", text(k));
-  }
+  TORCH_CHECK(visit_kernel_size(k, body), "LumenBridge: internal error: unsupported kernel size ",
+              text(k));
 }
 
 template <typename Body>

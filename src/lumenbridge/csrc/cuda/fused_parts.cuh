@@ -194,6 +194,26 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
   }
 }
 
+// 16 bytes of global memory (read-only for the kernel's lifetime) if `pred`,
+// else zeros: one predicated load, so a test of the address never becomes a
+// branch around the load (which costs a reconvergence point per load and
+// keeps the compiler from issuing the next load before this one is used).
+__device__ __forceinline__ uint4 load_global16_if(const void* p, bool pred) {
+  uint4 v;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
 // The pointwise weight [Cout, Cin] as the GEMM's B operand.
 template <typename T>
 struct PointwiseWeight {
@@ -202,11 +222,9 @@ struct PointwiseWeight {
   int in_channels, out_channels;
   bool vector;  // Cin % 8 == 0 and 16-byte aligned: one load per fragment
 
-  // Input channels k .. k+7 of output channel n; zeros past either extent.
-  __device__ __forceinline__ uint4 load(int n, int k) const {
-    if (vector && n < out_channels && k < in_channels) {
-      return __ldg(reinterpret_cast<const uint4*>(weight + static_cast<int64_t>(n) * in_channels + k));
-    }
+  // Input channels k .. k+7 of output channel n, element by element; zeros
+  // past either extent. The path for weights that are not `vector`.
+  __device__ __forceinline__ uint4 load_elements(int n, int k) const {
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -218,18 +236,47 @@ struct PointwiseWeight {
   }
 };
 
+// k-groups of B fragments a warp keeps in flight ahead of the one it
+// multiplies: B comes from L2, whose latency is several times one k-group's
+// mma work. Fewer with 64 rows, whose accumulators take twice the registers.
+template <int Rows>
+constexpr int kBDepth = Rows == 64 ? 2 : 3;
+
 // out_tile[row][n] = act(A[row] . weight[n] + bias[n]) in T for the block's
-// 64 rows and all Cout columns. Each warp takes kNTiles column tiles per
-// pass; B fragments for the next 32 channels load while the current ones multiply.
-template <typename T, int Rows>
+// Rows rows and all Cout columns. Each warp takes kNTiles column tiles per
+// pass; each lane's B rows (one per column tile) are fixed for a pass, so
+// their addresses and bounds are computed once, and its loads run
+// kBDepth<Rows> k-groups ahead of the multiplies in a ring of registers.
+template <typename T, int Rows, bool Vector>
 __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw,
                           const ActivationForm& act, T* out_tile, int out_stride) {
+  constexpr int kDepth = Vector ? kBDepth<Rows> + 1 : 1;  // the element path: no ring (rare; registers)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
   const int column_tiles = (pw.out_channels + 7) / 8;
   const int k_groups = k_padded / kChannelGroup;
   const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
   for (int tile0 = warp * kNTiles; tile0 < column_tiles; tile0 += kWarps * kNTiles) {
+    // Element offsets of the lane's B rows (the weight has fewer than 2^31
+    // elements: the gateway checks every tensor's size).
+    int b_row[kNTiles];
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) b_row[j] = ((tile0 + j) * 8 + group) * pw.in_channels + quad * 8;
+    auto load_b = [&](int j, int kg) {
+      const int k = kg * kChannelGroup + quad * 8;
+      if constexpr (Vector) {
+        const bool live = (tile0 + j) * 8 + group < pw.out_channels && k < pw.in_channels;
+        return load_global16_if(pw.weight + (b_row[j] + kg * kChannelGroup), live);
+      } else {
+        return pw.load_elements((tile0 + j) * 8 + group, k);
+      }
+    };
+    uint4 ring[kDepth][kNTiles];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, d);  // zeros past K
+    }
     float acc[(Rows / 16)][kNTiles][4];
 #pragma unroll
     for (int m = 0; m < (Rows / 16); ++m) {
@@ -239,33 +286,30 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
       }
     }
-    uint4 b[kNTiles];
+    for (int kg0 = 0; kg0 < k_groups; kg0 += kDepth) {
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) b[j] = pw.load((tile0 + j) * 8 + group, quad * 8);
-    for (int kg = 0; kg < k_groups; ++kg) {
-      uint4 next[kNTiles];
-      const bool more = kg + 1 < k_groups;
+      for (int d = 0; d < kDepth; ++d) {
+        const int kg = kg0 + d;
+        if (kg >= k_groups) break;
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-        next[j] = more ? pw.load((tile0 + j) * 8 + group, (kg + 1) * kChannelGroup + quad * 8) : b[j];
-      }
+        for (int step = 0; step < 2; ++step) {
+          uint32_t a[(Rows / 16)][4];
 #pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        uint32_t a[(Rows / 16)][4];
+          for (int m = 0; m < (Rows / 16); ++m) {
+            ldmatrix_x4(a[m], a_lane + m * 16 * a_stride + kg * kChannelGroup + step * 16);
+          }
 #pragma unroll
-        for (int m = 0; m < (Rows / 16); ++m) {
-          ldmatrix_x4(a[m], a_lane + m * 16 * a_stride + kg * kChannelGroup + step * 16);
-        }
+          for (int m = 0; m < (Rows / 16); ++m) {
 #pragma unroll
-        for (int m = 0; m < (Rows / 16); ++m) {
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
-            mma_16816<T>(acc[m][j], a[m], step ? b[j].z : b[j].x, step ? b[j].w : b[j].y);
+            for (int j = 0; j < kNTiles; ++j) {
+              mma_16816<T>(acc[m][j], a[m], step ? ring[d][j].z : ring[d][j].x, step ? ring[d][j].w : ring[d][j].y);
+            }
           }
         }
-      }
+        // This slot's next k-group: kDepth ahead, zeros (no load) past K.
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) b[j] = next[j];
+        for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, kg + kDepth);
+      }
     }
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
@@ -296,7 +340,7 @@ struct TileOutput {
   int channels;
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
-  bool vector;    // rows of 16-byte-aligned multiples of 8 channels
+  bool vector;    // rows of 16-byte-aligned multiples of 8 channels (the norm's tensors aligned too)
   const T* norm_weight;
   const T* norm_bias;
   float eps;
@@ -318,11 +362,25 @@ __device__ void row_statistics(const T* tile, int stride, int channels, float ep
   for (int r = warp; r < Rows; r += kWarps) {
     if (rows.pixel[r] < 0) continue;
     const T* row = tile + r * stride;
+    // Whole 16-byte units where the row has them (rows start 16-byte aligned).
+    const int vector_end = channels / 8 * 8;
     float sum = 0.0f;
-    for (int c = lane; c < channels; c += 32) sum += static_cast<float>(row[c]);
+    for (int c = lane * 8; c < vector_end; c += 32 * 8) {
+      float v[8];
+      unpack8<T>(load_shared16(row + c), v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += v[e];
+    }
+    for (int c = vector_end + lane; c < channels; c += 32) sum += static_cast<float>(row[c]);
     const float mean = warp_sum(sum) / channels;
     float squares = 0.0f;
-    for (int c = lane; c < channels; c += 32) {
+    for (int c = lane * 8; c < vector_end; c += 32 * 8) {
+      float v[8];
+      unpack8<T>(load_shared16(row + c), v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) squares += (v[e] - mean) * (v[e] - mean);
+    }
+    for (int c = vector_end + lane; c < channels; c += 32) {
       const float d = static_cast<float>(row[c]) - mean;
       squares += d * d;
     }
@@ -373,10 +431,15 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       const int r = item / groups, c = (item % groups) * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
-      float v[8];
+      // The norm's weight and bias 16 bytes at a time, as the row (o.vector
+      // covers their alignment).
+      float v[8], weight[8], bias[8];
       unpack8<T>(*reinterpret_cast<const uint4*>(tile + r * stride + c), v);
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(o.norm_weight + c)), weight);
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(o.norm_bias + c)), bias);
+      const float mean = rows.mean[r], rstd = rows.rstd[r];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = transform(v[e], r, c + e);
+      for (int e = 0; e < 8; ++e) v[e] = (v[e] - mean) * rstd * weight[e] + bias[e];
       *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = pack8<T>(v);
     }
   } else {

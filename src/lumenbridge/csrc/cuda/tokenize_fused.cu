@@ -62,7 +62,11 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
-  gemm_tile<T, Rows>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+  if (s.pw.vector) {
+    gemm_tile<T, Rows, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+  } else {
+    gemm_tile<T, Rows, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+  }
   __syncthreads();
   write_tile<T, Rows>(out_tile, out_stride, s.output, rows);
 }
@@ -131,16 +135,17 @@ struct WindowSource {
 
 // Output pixels per stage-kernel item: their depthwise sums share each read
 // of the taps from shared memory, and their loads are in flight together.
-// One for K = 7, whose pair of windows would spill registers.
+// One for K = 5 and 7, whose pairs of windows spill registers once every
+// load of a kernel row is in flight.
 template <int K>
-constexpr int kPixelsPerItem = K == 7 ? 1 : 2;
+constexpr int kPixelsPerItem = K == 3 ? 2 : 1;
 
 // Depthwise taps for 8 channels of kernel rows i0 .. i0 + Count - 1 of each of
 // an item's pixels: every load issued before any is used (out-of-image taps
 // are zero), so a thread keeps kPixelsPerItem<K> x Count x K loads in flight.
-template <typename T, int K, int Count>
+template <typename T, int K, int Count, bool Vector>
 __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[kPixelsPerItem<K>], int i0, int H,
-                                              int64_t row_step, int Cin, bool vector, int c, const float* taps, int Kp,
+                                              int64_t row_step, int Cin, int c, const float* taps, int Kp,
                                               float (&acc)[kPixelsPerItem<K>][8]) {
   uint4 pixel[kPixelsPerItem<K>][Count][K];
 #pragma unroll
@@ -152,8 +157,8 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[k
 #pragma unroll
       for (int j = 0; j < K; ++j) {
         const bool inside = row_inside && src[p].column_inside[j];
-        if (vector) {
-          pixel[p][i][j] = inside ? __ldg(reinterpret_cast<const uint4*>(row + j * Cin)) : make_uint4(0, 0, 0, 0);
+        if constexpr (Vector) {
+          pixel[p][i][j] = load_global16_if(row + j * Cin, inside);
         } else {
           float v[8];
 #pragma unroll
@@ -186,31 +191,15 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[k
 template <int K>
 constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 
-template <typename T, int K, int Rows>
-__global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
-  static_assert(Rows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
-  extern __shared__ __align__(16) unsigned char shared[];
+// The stage kernel's depthwise step: each item is kPixelsPerItem<K> output
+// pixels' 8 channels, into A. Vector: NHWC rows of 16-byte-aligned multiples
+// of 8 channels, read 16 bytes at a time.
+template <typename T, int K, int Rows, bool Vector>
+__device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
+                                const float* taps, T* a_tile) {
   const StageGemm<T>& s = args.gemm;
-  auto& rows = *reinterpret_cast<RowInfo*>(shared);
-  __shared__ RowSource sources;
-  T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
-  float* taps = reinterpret_cast<float*>(shared + args.layout.region_offset);
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * Rows;
-  for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-    const int64_t pixel = r < Rows && first + r < args.pixels ? first + r : -1;
-    rows.pixel[r] = pixel;
-    const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
-    const int64_t image = pixel < 0 ? 0 : pixel / plane;
-    const int offset = pixel < 0 ? 0 : static_cast<int>(pixel % plane);
-    sources.y[r] = (offset / args.Wo) * args.stride - K / 2;
-    sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
-    sources.offset[r] = image * args.H * args.W * Cin;
-  }
-  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, Cin, Kp);
-  __syncthreads();
-
   const int groups = Kp / 8;
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
   for (int item = threadIdx.x; item < (Rows / kPixelsPerItem<K>) * groups; item += kThreads) {
@@ -238,11 +227,42 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
       constexpr int count = kRowsInFlight<K>;
 #pragma unroll
       for (int i0 = 0; i0 < K; i0 += count) {
-        depthwise_rows<T, K, count>(src, i0, args.H, row_step, Cin, args.vector_input, c, taps, Kp, acc);
+        depthwise_rows<T, K, count, Vector>(src, i0, args.H, row_step, Cin, c, taps, Kp, acc);
       }
     }
 #pragma unroll
     for (int p = 0; p < kPixelsPerItem<K>; ++p) store_a8<T>(a_tile + (r0 + p) * a_stride, c, acc[p]);
+  }
+}
+
+template <typename T, int K, int Rows>
+__global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
+  static_assert(Rows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
+  extern __shared__ __align__(16) unsigned char shared[];
+  const StageGemm<T>& s = args.gemm;
+  auto& rows = *reinterpret_cast<RowInfo*>(shared);
+  __shared__ RowSource sources;
+  T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
+  float* taps = reinterpret_cast<float*>(shared + args.layout.region_offset);
+  const int Cin = s.pw.in_channels;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * Rows;
+  for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
+    const int64_t pixel = r < Rows && first + r < args.pixels ? first + r : -1;
+    rows.pixel[r] = pixel;
+    const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
+    const int64_t image = pixel < 0 ? 0 : pixel / plane;
+    const int offset = pixel < 0 ? 0 : static_cast<int>(pixel % plane);
+    sources.y[r] = (offset / args.Wo) * args.stride - K / 2;
+    sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
+    sources.offset[r] = image * args.H * args.W * Cin;
+  }
+  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
+  __syncthreads();
+
+  if (args.vector_input) {
+    stage_depthwise<T, K, Rows, true>(args, rows, sources, taps, a_tile);
+  } else {
+    stage_depthwise<T, K, Rows, false>(args, rows, sources, taps, a_tile);
   }
   __syncthreads();
   finish_block<T, Rows>(shared, args.layout, s, rows);
@@ -376,9 +396,17 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
   const int group = lane / 4, quad = lane % 4;
   const int win1 = a.win1_h * a.win1_w;
   const int chunks = Kp / kChannelGroup;
+  // The item's coordinates advance with it (kWarps items a step), so no
+  // integer division runs per item.
+  int block16 = warp / chunks, chunk = warp % chunks;
   for (int item = warp; item < ceil_div(win1, 16) * chunks; item += kWarps) {
-    const int q0 = (item / chunks) * 16 + group, q1 = q0 + 8;
-    const int n0 = (item % chunks) * kChannelGroup;
+    const int q0 = block16 * 16 + group, q1 = q0 + 8;
+    const int n0 = chunk * kChannelGroup;
+    chunk += kWarps;
+    while (chunk >= chunks) {
+      chunk -= chunks;
+      ++block16;
+    }
     const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
                               *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
     const bool keep0 = inside[q0], keep1 = inside[q1];
@@ -551,9 +579,9 @@ TileOutput<T> tile_output(at::Tensor& out, const TokenizeStage& stage, bool last
   o.channels = static_cast<int>(stage.out_channels);
   o.plane = stage.out_h * stage.out_w;
   o.planes = last && p.format == TokenFormat::NCHW;
-  o.vector = stage.out_channels % 8 == 0 && aligned16(o.out);
   o.norm_weight = last && p.has_token_norm() ? p.token_norm_weight.data_ptr<T>() : nullptr;
   o.norm_bias = last && p.has_token_norm() ? p.token_norm_bias.data_ptr<T>() : nullptr;
+  o.vector = stage.out_channels % 8 == 0 && aligned16(o.out) && aligned16(o.norm_weight) && aligned16(o.norm_bias);
   o.eps = static_cast<float>(p.eps);
   return o;
 }

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+TMPFS = Path("/dev/shm")
 
 
 def photo_jpeg(seed: int) -> bytes:
@@ -270,6 +271,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="lumenbridge-bench-"))
+    tmpfs_out = TMPFS / f"lumenbridge-bench-{os.getpid()}"
     results: dict = {
         "device": torch.cuda.get_device_name(),
         "cpus": os.cpu_count(),
@@ -301,10 +303,9 @@ def main() -> int:
         }
         # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
         tokens_bytes = results["end_to_end"]["gpu"]["token_bytes_on_disk"]
-        shm = Path("/dev/shm")
-        if not args.no_tmpfs and shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * tokens_bytes:
+        if not args.no_tmpfs and TMPFS.is_dir() and shutil.disk_usage(TMPFS).free > 1.5 * tokens_bytes:
             results["end_to_end"]["gpu_to_tmpfs"] = end_to_end(
-                folder, shm / f"lumenbridge-bench-{os.getpid()}", "gpu", args, scratch / "report-tmpfs.json"
+                folder, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json"
             )
         if not (args.quick or args.skip_cpu_e2e):
             results["end_to_end"]["cpu"] = end_to_end(
@@ -313,7 +314,9 @@ def main() -> int:
     finally:
         if not args.data:
             shutil.rmtree(scratch, ignore_errors=True)
-    (out / "bench_pipeline.json").write_text(json.dumps(results, indent=2) + "\n")
+    # The record names the run's folders by their role, not by where they were.
+    text = json.dumps(results, indent=2).replace(str(scratch), "DATA").replace(str(tmpfs_out), "SHM")
+    (out / "bench_pipeline.json").write_text(text + "\n")
     print_table(results)
     return 0
 

@@ -170,6 +170,27 @@ def test_bfloat16_shards_and_a_report(tmp_path, images):
     assert 0 < numbers["tokenize_share_of_wall"] < 1
 
 
+@pytest.mark.skipif(not hasattr(os, "POSIX_FADV_DONTNEED"), reason="posix_fadvise is a Linux/POSIX call")
+def test_rows_start_their_writeback_as_they_are_written(tmp_path, monkeypatch):
+    """Each write asks the kernel to start writing back exactly the bytes it
+    appended: the ranges tile the shard's data, and the shard reads back whole."""
+    from safetensors.torch import load_file
+
+    ranges = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: ranges.append((offset, length, advice)))
+    name = shards.shard_name(0, 1)
+    writer = shards.ShardWriter(str(tmp_path), name, 5, [2, 3], torch.float32, {"shard_index": "0"})
+    rows = torch.randn(5, 2, 3)
+    writer.write_rows(rows[:2])
+    writer.write_rows(rows[2:])
+    writer.next_row = 5
+    writer.commit()
+    start, row_bytes = 8 + writer.header_room, 2 * 3 * 4
+    advice = os.POSIX_FADV_DONTNEED
+    assert ranges == [(start, 2 * row_bytes, advice), (start + 2 * row_bytes, 3 * row_bytes, advice)]
+    assert torch.equal(load_file(str(tmp_path / name))["tokens"], rows)
+
+
 def test_unreadable_images_go_to_the_errors_file(tmp_path, images, capsys):
     folder = tmp_path / "images"
     (folder / "zz-bad.jpg").write_bytes(os.urandom(500))

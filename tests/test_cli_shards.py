@@ -185,7 +185,7 @@ def test_rows_start_their_writeback_as_they_are_written(tmp_path, monkeypatch):
     writer.write_rows(rows[2:])
     writer.next_row = 5
     writer.commit()
-    start, row_bytes = 8 + writer.header_room, 2 * 3 * 4
+    start, row_bytes = writer.data_start, 2 * 3 * 4
     advice = os.POSIX_FADV_DONTNEED
     assert ranges == [(start, 2 * row_bytes, advice), (start + 2 * row_bytes, 3 * row_bytes, advice)]
     assert torch.equal(load_file(str(tmp_path / name))["tokens"], rows)

@@ -306,8 +306,9 @@ class ShardWriter:
         self.folder = self._staging.__enter__()
         self.header_room = len(self._header(planned_rows))
         self.header_room += -(8 + self.header_room) % 8  # the data starts 8-byte aligned
+        self.data_start = 8 + self.header_room  # the header's length, then the header
         self.file = open(self.folder / name, "wb")  # noqa: SIM115 - closed in commit or abort
-        self.file.seek(8 + self.header_room)
+        self.file.seek(self.data_start)
 
     def _header(self, rows: int) -> bytes:
         header = {
@@ -323,7 +324,7 @@ class ShardWriter:
     def write_rows(self, tokens: torch.Tensor) -> None:
         """Appends rows [n, *row_shape] (a CPU tensor in the shard's dtype)."""
         tokens = tokens.contiguous()
-        start = 8 + self.header_room + self.rows * self.row_bytes
+        start = self.data_start + self.rows * self.row_bytes
         self.file.write(memoryview(tokens.view(torch.uint8).numpy()))
         self.rows += tokens.shape[0]
         self._start_writeback(start, tokens.shape[0] * self.row_bytes)

@@ -560,8 +560,13 @@ __device__ void first_kernel_tiles(const FirstArgs<T>& args, unsigned char* shar
   }
 }
 
+// Two blocks per SM for K = 3; the larger windows' shared memory allows one
+// at the presets' widths, so those may use every register instead of spilling.
+template <int K>
+constexpr int kFirstBlocksPerSm = K == 3 ? 2 : 1;
+
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
+__global__ void __launch_bounds__(kThreads, kFirstBlocksPerSm<K>) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
   if (args.uint8_input) {
     first_kernel_tiles<uint8_t, T, K>(args, shared);

@@ -186,7 +186,7 @@ int64_t persistent_blocks(int threads, size_t shared_bytes, int64_t tiles, int64
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a tiled kernel cannot be resident");
     resident = per_sm * sms;
-    if (device < 64) cached[device].store(static_cast<int64_t>(shared_bytes) << kCountBits | resident);
+    if (device < 64) cached[device].store((static_cast<int64_t>(shared_bytes) << kCountBits) | resident);
   }
   const int64_t blocks = std::min<int64_t>(tiles, resident);
   return std::max<int64_t>(multiple, blocks / multiple * multiple);

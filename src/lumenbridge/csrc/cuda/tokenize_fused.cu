@@ -75,14 +75,30 @@ __device__ void finish_block(const T* a_tile, T* out_tile, const StageGemm<T>& s
 
 // Depthwise weights [C, 1, K, K] and bias into shared memory as float
 // [K * K + 1][Cp], the bias last, so a thread's 8 channels of one tap are two
-// 16-byte reads with no conversion; zeros past C.
+// 16-byte reads with no conversion; zeros past C. A thread issues
+// kTapLoadsInFlight loads before it stores any (each address clamped into its
+// tensor, so no load waits behind a test): the block waits a few round trips
+// to L2, not one per element.
+constexpr int kTapLoadsInFlight = 4;
+
 template <typename T, int K>
 __device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
   constexpr int rows = K * K + 1;
-  for (int i = threadIdx.x; i < padded * rows; i += kThreads) {
-    const int c = i / rows, tap = i % rows;
-    const T value = c >= channels ? T(0.0f) : tap < K * K ? weight[c * K * K + tap] : bias[c];
-    taps[tap * padded + c] = static_cast<float>(value);
+  const int total = padded * rows;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kTapLoadsInFlight * kThreads) {
+    T value[kTapLoadsInFlight];
+#pragma unroll
+    for (int b = 0; b < kTapLoadsInFlight; ++b) {
+      const int i = i0 + b * kThreads;
+      const int c = min(i / rows, channels - 1), tap = i % rows;
+      value[b] = __ldg(tap < K * K ? weight + c * K * K + tap : bias + c);
+    }
+#pragma unroll
+    for (int b = 0; b < kTapLoadsInFlight; ++b) {
+      const int i = i0 + b * kThreads;
+      const int c = i / rows, tap = i % rows;
+      if (i < total) taps[tap * padded + c] = c < channels ? static_cast<float>(value[b]) : 0.0f;
+    }
   }
 }
 

@@ -167,26 +167,21 @@ __device__ __forceinline__ int persistent_tile_count(int64_t total) {
 // (from the occupancy calculator) times the SM count, and never more blocks
 // than tiles. `multiple` rounds it down to a multiple, so the fastest digit of
 // a block's tiles never changes when step[0] is 0. KERNEL is a template
-// argument so that each kernel (its own block size) keeps its own cached
-// count per device, recomputed when its shared memory changes (the fused
-// kernels' depends on the model).
+// argument so that each kernel (its own block size and shared memory) keeps
+// its own cached count per device.
 template <auto KERNEL>
 int64_t persistent_blocks(int threads, size_t shared_bytes, int64_t tiles, int64_t multiple) {
-  // Per device, one word: the shared bytes the count is for, then the count
-  // (blocks per SM times SMs, below 2^20), so threads never see half an entry.
-  static std::array<std::atomic<int64_t>, 64> cached{};
-  constexpr int kCountBits = 20;
+  static std::array<std::atomic<int>, 64> resident_per_device{};  // blocks per SM times SMs
   const int device = c10::cuda::current_device();
-  const int64_t entry = device < 64 ? cached[device].load() : 0;
-  int resident = static_cast<int>(entry & ((int64_t{1} << kCountBits) - 1));
-  if (resident == 0 || static_cast<size_t>(entry >> kCountBits) != shared_bytes) {
+  int resident = device < 64 ? resident_per_device[device].load() : 0;
+  if (resident == 0) {
     int per_sm = 0, sms = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, KERNEL, threads,
                                                                   shared_bytes));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     TORCH_CHECK(per_sm > 0, "LumenBridge: internal error: a tiled kernel cannot be resident");
     resident = per_sm * sms;
-    if (device < 64) cached[device].store((static_cast<int64_t>(shared_bytes) << kCountBits) | resident);
+    if (device < 64) resident_per_device[device].store(resident);
   }
   const int64_t blocks = std::min<int64_t>(tiles, resident);
   return std::max<int64_t>(multiple, blocks / multiple * multiple);

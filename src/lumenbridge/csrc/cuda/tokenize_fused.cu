@@ -7,10 +7,7 @@
 //                  stage-1 activation never reaches device memory: the stage-1
 //                  depthwise in float on CUDA cores, its pointwise step (K = the
 //                  image channels) on the tensor cores as m16n8k8, all stage-1
-//                  channels at once into shared memory. Its blocks are
-//                  persistent: weights and taps load once per block, and each
-//                  tile's image window is copied (cp.async) while the tile
-//                  before it computes.
+//                  channels at once into shared memory.
 //   stage kernel   stage i output -> stage i + 1 output, one per later stage;
 //                  blocks take 64 consecutive output pixels, so no tile is
 //                  partly empty at 28 x 28 or 14 x 14.
@@ -22,7 +19,6 @@
 
 #include "depthwise_forward.cuh"
 #include "fused_parts.cuh"
-#include "pipeline.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -59,10 +55,12 @@ SharedLayout shared_layout(int rows, int k_padded, size_t scratch_bytes, int out
   return l;
 }
 
-// The GEMM and the epilogue, once a block's A tile is complete; the output
-// tile takes shared memory the block no longer needs.
+// The GEMM and the epilogue, once a block's A tile is complete.
 template <typename T, int Rows>
-__device__ void finish_block(const T* a_tile, T* out_tile, const StageGemm<T>& s, RowInfo& rows) {
+__device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
+                             RowInfo& rows) {
+  const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
+  T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
   if (s.pw.vector) {
     gemm_tile<T, Rows, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
@@ -283,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
     stage_depthwise<T, K, Rows, false>(args, rows, sources, taps, a_tile);
   }
   __syncthreads();
-  finish_block<T, Rows>(a_tile, reinterpret_cast<T*>(shared + args.layout.region_offset), s, rows);
+  finish_block<T, Rows>(shared, args.layout, s, rows);
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -306,85 +304,53 @@ struct FirstArgs {
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win1_w, win0_h, win0_w;
   int s1_stride;
-  int raw_span_words;   // words per span of the raw window (its row stride)
-  int64_t image_bytes;  // of the whole images tensor: copies stop there
-  int64_t tiles;        // N * tiles_y * tiles_x; the grid strides over them
-  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, raw_offset;  // within the region
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset;  // within the region
   SharedLayout layout;
 };
 
-// ---- the image window, copied one tile ahead ----------------------------------
-//
-// A block copies the next tile's image window into a raw buffer with
-// cp.async while it computes the current tile, so it never waits on device
-// memory for it. The window is one span of bytes per window row (per channel
-// plane for NCHW), copied as 4-byte words aligned in memory (the images
-// start 4-byte aligned: the host sees to it), so a word never straddles the
-// tensor's start, and the one that straddles its end copies only its bytes
-// in the tensor (cp.async zero-fills the rest). Words of rows outside the
-// image are zero-filled; columns outside it are masked when the window is
-// converted.
-
-__device__ __forceinline__ void copy_word_async(void* shared, const void* global, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
-               "l"(global), "r"(bytes));
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// Byte offset in the images of window row y's span (channel c's for NCHW),
-// from column x0 (either may lie outside the image).
-template <typename In, typename T>
-__device__ __forceinline__ int64_t span_start(const FirstArgs<T>& a, int64_t n, int c, int y, int x0) {
-  constexpr int64_t E = sizeof(In);
-  return a.nhwc ? ((n * a.H0 + y) * a.W0 + x0) * a.C0 * E : (((n * a.C0 + c) * a.H0 + y) * a.W0 + x0) * E;
-}
-
-template <typename In, typename T>
-__device__ void prefetch_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin,
-                                      int x_origin, uint32_t* raw) {
-  const char* base = reinterpret_cast<const char*>(images);
-  const int spans = (a.nhwc ? 1 : a.C0) * a.win0_h;
-  for (int i = threadIdx.x; i < spans * a.raw_span_words; i += kThreads) {
-    const int span = i / a.raw_span_words, w = i - span * a.raw_span_words;
-    const int c = span / a.win0_h, r = span - c * a.win0_h;
-    const int y = y_origin + r;
-    // The span's first word, rounded down (arithmetic shift: spans may start before the tensor).
-    const int64_t start = ((span_start<In>(a, n, c, y, x_origin) >> 2) + w) * 4;
-    const bool copy = y >= 0 && y < a.H0 && start >= 0 && start < a.image_bytes;
-    const int bytes = copy ? static_cast<int>(min(int64_t{4}, a.image_bytes - start)) : 0;
-    copy_word_async(raw + i, copy ? base + start : base, bytes);
-  }
-  copy_async_commit();
-}
-
-// The copied window, normalized, into shared memory as float
-// [C0][win0_h][win0_w]; zero outside the image, in normalized space.
+// The image window of a tile, normalized, into shared memory as float
+// [C0][win0_h][win0_w]; zero outside the image. Threads take window
+// positions (the same ones for every channel, so their offsets are computed
+// once), and every load of every channel is issued before any is used: a
+// block waits for one memory round trip. Offsets step by the layout's
+// strides: no division and no 64-bit multiply per element.
 template <typename In, typename T, int K>
-__device__ void convert_image_window(const FirstArgs<T>& a, const uint32_t* raw, int64_t n, int y_origin,
-                                     int x_origin, float* image) {
+__device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
+                                  float* image) {
   constexpr int kWindow = ((kTile - 1) * 2 + K - 1) * 2 + K;  // both strides 2: the widest for this K
   constexpr int kSlots = ceil_div(kWindow * kWindow, kThreads);
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(raw);
-  const int window = a.win0_h * a.win0_w, row_bytes = 4 * a.raw_span_words;
+  const int64_t x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? int64_t{a.W0} * a.C0 : a.W0;
+  const int64_t c_step = a.nhwc ? 1 : int64_t{a.H0} * a.W0;
+  const In* origin = images + n * a.C0 * a.H0 * a.W0;
+  const int window = a.win0_h * a.win0_w;
+  bool inside[kSlots];
+  int64_t offset[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int q = threadIdx.x + s * kThreads;
-    if (q >= window) break;
-    const int r = q / a.win0_w, col = q % a.win0_w;
-    const int y = y_origin + r, x = x_origin + col;
-    const bool inside = y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
+    const int y = y_origin + q / a.win0_w, x = x_origin + q % a.win0_w;
+    inside[s] = q < window && y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
+    // Positions outside read the image's first pixel, so the loads carry no
+    // branch and all issue before the first is used.
+    offset[s] = inside[s] ? y * y_step + x * x_step : 0;
+  }
+  float v[kMaxImageChannels][kSlots];
 #pragma unroll
-    for (int c = 0; c < kMaxImageChannels; ++c) {
-      if (c >= a.C0) break;
-      const int plane = a.nhwc ? 0 : c;
-      const int shift = static_cast<int>(span_start<In>(a, n, plane, y, x_origin) & 3);
-      const int element = a.nhwc ? col * a.C0 + c : col;
-      const float v = static_cast<float>(
-          *reinterpret_cast<const In*>(bytes + (plane * a.win0_h + r) * row_bytes + shift + element * int{sizeof(In)}));
-      const float value = std::is_same_v<In, uint8_t> ? (v - a.mean[c]) * a.inv_std[c] : v;
-      image[c * window + q] = inside ? value : 0.0f;
+  for (int c = 0; c < kMaxImageChannels; ++c) {
+    const In* plane = origin + min(c, a.C0 - 1) * c_step;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) v[c][s] = static_cast<float>(__ldg(plane + offset[s]));
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxImageChannels; ++c) {
+    if (c >= a.C0) break;
+    const float mean = a.mean[c], inv_std = a.inv_std[c];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int q = threadIdx.x + s * kThreads;
+      // Zero after normalization: padding is zero in normalized space.
+      const float value = std::is_same_v<In, uint8_t> ? (v[c][s] - mean) * inv_std : v[c][s];
+      if (q < window) image[c * window + q] = inside[s] ? value : 0.0f;
     }
   }
 }
@@ -479,38 +445,9 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
   }
 }
 
-// A tile's place: its image, its stage-2 origin, and its windows' origins.
-struct FirstTile {
-  int64_t n;
-  int ty, tx, y1_origin, x1_origin, y0_origin, x0_origin;
-};
-
 template <typename T, int K>
-__device__ __forceinline__ FirstTile first_tile(const FirstArgs<T>& a, int64_t tile) {
-  constexpr int pad = K / 2;
-  FirstTile t;
-  t.tx = static_cast<int>(tile % a.tiles_x) * kTile;
-  tile /= a.tiles_x;
-  t.ty = static_cast<int>(tile % a.tiles_y) * kTile;
-  t.n = tile / a.tiles_y;
-  t.y1_origin = t.ty * a.stride2 - pad;
-  t.x1_origin = t.tx * a.stride2 - pad;
-  t.y0_origin = t.y1_origin * a.stride1 - pad;
-  t.x0_origin = t.x1_origin * a.stride1 - pad;
-  return t;
-}
-
-template <typename In, typename T, int K>
-__device__ void prefetch_tile(const FirstArgs<T>& a, int64_t tile, uint32_t* raw) {
-  if (tile >= a.tiles) return;
-  const FirstTile t = first_tile<T, K>(a, tile);
-  prefetch_image_window<In, T>(a, static_cast<const In*>(a.images), t.n, t.y0_origin, t.x0_origin, raw);
-}
-
-// A persistent block: the weights and taps come into shared memory once, and
-// each tile's image window is copied while the tile before it computes.
-template <typename In, typename T, int K>
-__device__ void first_kernel_tiles(const FirstArgs<T>& args, unsigned char* shared) {
+__global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
+  extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
@@ -519,119 +456,88 @@ __device__ void first_kernel_tiles(const FirstArgs<T>& args, unsigned char* shar
   const int padded_rows = round_up(args.win1_h * args.win1_w, 16);
   T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
-  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride], then the output tile
   T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the float bias
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
+  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
   float* taps = reinterpret_cast<float*>(region + args.taps_offset);    // [K * K + 1][Kp]
   float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
-  uint32_t* raw = reinterpret_cast<uint32_t*>(region + args.raw_offset);
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
 
-  prefetch_tile<In, T, K>(args, blockIdx.x, raw);
+  int64_t tile = blockIdx.x;
+  const int tx = static_cast<int>(tile % args.tiles_x) * kTile;
+  tile /= args.tiles_x;
+  const int ty = static_cast<int>(tile % args.tiles_y) * kTile;
+  const int64_t n = tile / args.tiles_y;
+  constexpr int pad = K / 2;
+  const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
+  const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;
+
+  for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
+    const int y = ty + r / kTile, x = tx + r % kTile;
+    rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
+  }
+  if (args.uint8_input) {
+    load_image_window<uint8_t, T, K>(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin, image);
+  } else {
+    load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
+  }
   load_stage1_weight(args, Kp, w1, b1);
   load_depthwise_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
-  for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
-    const FirstTile t = first_tile<T, K>(args, tile);
-    copy_async_wait_all();
-    __syncthreads();  // the window has landed; the previous tile's output is written
-    for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-      const int y = t.ty + r / kTile, x = t.tx + r % kTile;
-      rows.pixel[r] = y < args.H2 && x < args.W2 ? (t.n * args.H2 + y) * args.W2 + x : -1;
-    }
-    convert_image_window<In, T, K>(args, raw, t.n, t.y0_origin, t.x0_origin, image);
-    __syncthreads();
-    prefetch_tile<In, T, K>(args, tile + gridDim.x, raw);
+  __syncthreads();
 
-    stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, t.y1_origin, t.x1_origin);
-    __syncthreads();
+  stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, y1_origin, x1_origin);
+  __syncthreads();
 
-    stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
-    __syncthreads();
+  stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
+  __syncthreads();
 
-    // Stage-2 depthwise, 8 channels of one output pixel per item, into A.
-    const int groups = Kp / 8;
-    for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
-      const int r = item / groups, c = (item % groups) * 8;
-      const int py = r / kTile, px = r % kTile;
-      float acc[8];
-      load_floats8(taps + K * K * Kp + c, acc);
+  // Stage-2 depthwise, 8 channels of one output pixel per item, into A.
+  const int groups = Kp / 8;
+  for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
+    const int r = item / groups, c = (item % groups) * 8;
+    const int py = r / kTile, px = r % kTile;
+    float acc[8];
+    load_floats8(taps + K * K * Kp + c, acc);
 #pragma unroll
-      for (int ky = 0; ky < K; ++ky) {
+    for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
-        for (int kx = 0; kx < K; ++kx) {
-          const int q = (py * args.stride2 + ky) * args.win1_w + px * args.stride2 + kx;
-          float v[8], w[8];
-          unpack8<T>(load_shared16(s1 + q * args.s1_stride + c), v);
-          load_shared_floats8(taps + (ky * K + kx) * Kp + c, w);
+      for (int kx = 0; kx < K; ++kx) {
+        const int q = (py * args.stride2 + ky) * args.win1_w + px * args.stride2 + kx;
+        float v[8], w[8];
+        unpack8<T>(load_shared16(s1 + q * args.s1_stride + c), v);
+        load_shared_floats8(taps + (ky * K + kx) * Kp + c, w);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
-        }
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
       }
-      store_a8<T>(a_tile + r * a_stride, c, acc);
     }
-    __syncthreads();
-    finish_block<T, kTileRows>(a_tile, s1, s, rows);  // the output tile over s1, which stage 2 has read
+    store_a8<T>(a_tile + r * a_stride, c, acc);
   }
-}
-
-// Two blocks per SM for K = 3; the larger windows' shared memory allows one
-// at the presets' widths, so those may use every register instead of spilling.
-template <int K>
-constexpr int kFirstBlocksPerSm = K == 3 ? 2 : 1;
-
-template <typename T, int K>
-__global__ void __launch_bounds__(kThreads, kFirstBlocksPerSm<K>) fused_first_kernel(const FirstArgs<T> args) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  if (args.uint8_input) {
-    first_kernel_tiles<uint8_t, T, K>(args, shared);
-  } else {
-    first_kernel_tiles<T, T, K>(args, shared);
-  }
+  __syncthreads();
+  finish_block<T, kTileRows>(shared, args.layout, s, rows);
 }
 
 // ---- host side -------------------------------------------------------------------
 
 struct FirstGeometry {
   int win1_h, win1_w, win0_h, win0_w, s1_stride;
-  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, raw_offset, scratch;
+  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset, scratch;
 };
 
-// Words of a raw-window span of `bytes` bytes starting anywhere in a word.
-int span_words(int64_t bytes) { return static_cast<int>((bytes + 3 + 3) / 4); }
-
-// Words of one span of the raw window for this input.
-int raw_span_words(int win0_w, int C0, bool nhwc, size_t input_elem) {
-  return span_words(static_cast<int64_t>(win0_w) * (nhwc ? C0 : 1) * static_cast<int64_t>(input_elem));
-}
-
-// The raw window's bytes for the widest input (elements of `elem` bytes, either layout).
-size_t raw_window_bytes(int C0, int win0_h, int win0_w, size_t elem) {
-  const size_t nchw = sizeof(uint32_t) * C0 * win0_h * raw_span_words(win0_w, C0, false, elem);
-  const size_t nhwc = sizeof(uint32_t) * win0_h * raw_span_words(win0_w, C0, true, elem);
-  return std::max(nchw, nhwc);
-}
-
-// The first kernel's scratch: the per-tile buffers (the image window as
-// float, the stage-1 depthwise rows, the stage-1 activations, which the
-// output tile later overlays), then what the block keeps for all its tiles
-// (weights and taps) and the raw window the next tile's copy lands in.
-FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels, size_t elem) {
+FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, size_t elem) {
   FirstGeometry g;
   g.win1_h = g.win1_w = (kTile - 1) * stride2 + K;
   g.win0_h = g.win0_w = (g.win1_h - 1) * stride1 + K;
   g.s1_stride = padded_stride(k_padded);
   const int win1 = g.win1_h * g.win1_w;
-  const size_t out_bytes = kTileRows * padded_stride(round_up(out_channels, 8)) * elem;
   g.image_offset = 0;
   g.d1_offset = align16(sizeof(float) * C0 * g.win0_h * g.win0_w);
-  g.s1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
-  g.w1_offset = g.s1_offset + align16(std::max(elem * win1 * g.s1_stride, out_bytes));
-  g.taps_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
+  g.w1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
+  g.s1_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
+  g.taps_offset = g.s1_offset + align16(elem * win1 * g.s1_stride);
   g.taps1_offset = g.taps_offset + align16(taps_bytes(K, k_padded));
-  g.raw_offset = g.taps1_offset + align16(taps_bytes(K, kMaxImageChannels));
-  g.scratch = g.raw_offset + align16(raw_window_bytes(C0, g.win0_h, g.win0_w, elem));
+  g.scratch = g.taps1_offset + align16(taps_bytes(K, kMaxImageChannels));
   return g;
 }
 
@@ -726,8 +632,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W2 = static_cast<int>(s2.out_w);
   a.tiles_y = ceil_div(a.H2, kTile);
   a.tiles_x = ceil_div(a.W2, kTile);
-  const FirstGeometry g =
-      first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  const FirstGeometry g = first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, sizeof(T));
   a.win1_h = g.win1_h;
   a.win1_w = g.win1_w;
   a.win0_h = g.win0_h;
@@ -739,15 +644,8 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.s1_offset = g.s1_offset;
   a.taps_offset = g.taps_offset;
   a.taps1_offset = g.taps1_offset;
-  a.raw_offset = g.raw_offset;
-  const size_t input_elem = p.uint8_input ? 1 : sizeof(T);
-  a.raw_span_words = raw_span_words(a.win0_w, a.C0, a.nhwc, input_elem);
-  a.image_bytes = images.numel() * static_cast<int64_t>(input_elem);
-  a.tiles = p.N * a.tiles_y * a.tiles_x;
   a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  allow_shared_bytes(fused_first_kernel<T, K>, a.layout.total);  // before the occupancy query
-  launch(fused_first_kernel<T, K>, persistent_blocks<fused_first_kernel<T, K>>(kThreads, a.layout.total, a.tiles, 1),
-         a.layout.total, a);
+  launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, a.layout.total, a);
 }
 
 template <typename T, int K>
@@ -815,7 +713,7 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
     const int out_channels = static_cast<int>(widths[i]);
     const size_t bytes =
         i == 1 ? first_shared_bytes(first_geometry(static_cast<int>(in_channels), K, static_cast<int>(strides[0]),
-                                                   static_cast<int>(strides[1]), k_padded, out_channels, elem),
+                                                   static_cast<int>(strides[1]), k_padded, elem),
                                     k_padded, out_channels, elem)
                : stage_shared_bytes(K, k_padded, out_channels, elem);
     if (bytes > static_cast<size_t>(kMaxSharedBytes)) {
@@ -838,15 +736,12 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
   }
   TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62) && p.H <= kMaxExtent && p.W <= kMaxExtent,
               "LumenBridge: images too large for the fused kernels, got ", text({p.N, p.C, p.H, p.W}));
-  // The first kernel copies image windows as 4-byte words aligned in memory,
-  // so the images must start on one (a copy of a view that does not).
-  const at::Tensor input = reinterpret_cast<uintptr_t>(images.data_ptr()) % 4 == 0 ? images : images.clone();
   at::Tensor result;
   AT_DISPATCH_SWITCH(p.dtype, "lumenbridge_tokenize_fused",
                      AT_DISPATCH_CASE(at::ScalarType::Half, [&] {
-                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(input, p); });
+                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(images, p); });
                      }) AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] {
-                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(input, p); });
+                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(images, p); });
                      }));
   return result;
 }

@@ -166,6 +166,24 @@ def test_bitwise_deterministic(device, native_ops):
         assert torch.equal(run_op(model, images), first)
 
 
+@pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_images_off_alignment_give_the_same_tokens(uint8, channels_last, device, native_ops):
+    """A view that starts one element past a 16-byte boundary (where kernels
+    read 16 bytes at a time) gives the tokens of its aligned copy."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = VisualTokenizer(NARROW).to(device, dtype)
+    images = torch.randint(0, 256, (2, 3, 48, 80), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images = images.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    images = images.to(device) if uint8 else images.to(device, dtype)
+    storage = torch.zeros(images.numel() + 1, dtype=images.dtype, device=device)
+    shifted = storage[1:].as_strided(images.shape, images.stride())
+    shifted.copy_(images)
+    assert shifted.data_ptr() % 16 != 0
+    assert torch.equal(run_op(model, shifted), run_op(model, images))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
 def test_changed_parameters_change_the_tokens(device, native_ops, tmp_path):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

@@ -325,11 +325,11 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
   const int window = a.win0_h * a.win0_w;
   bool inside[kSlots];
   int64_t offset[kSlots];
+  GridCursor at(a.win0_w);
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    const int q = threadIdx.x + s * kThreads;
-    const int y = y_origin + q / a.win0_w, x = x_origin + q % a.win0_w;
-    inside[s] = q < window && y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
+  for (int s = 0; s < kSlots; ++s, at.advance()) {
+    const int y = y_origin + at.row, x = x_origin + at.column;
+    inside[s] = at.row < a.win0_h && y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
     // Positions outside read the image's first pixel, so the loads carry no
     // branch and all issue before the first is used.
     offset[s] = inside[s] ? y * y_step + x * x_step : 0;
@@ -377,9 +377,10 @@ template <typename T, int K>
 __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
                                  int padded_rows, int y_origin, int x_origin) {
   const int win1 = a.win1_h * a.win1_w, win0 = a.win0_h * a.win0_w;
-  for (int q = threadIdx.x; q < padded_rows; q += kThreads) {
+  GridCursor at(a.win1_w);
+  for (int q = threadIdx.x; q < padded_rows; q += kThreads, at.advance()) {
     float out[8] = {};
-    const int y = q / a.win1_w, x = q % a.win1_w;
+    const int y = at.row, x = at.column;
     inside[q] = q < win1 && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
     if (q < win1) {
 #pragma unroll
@@ -426,22 +427,95 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
     const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
                               *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
     const bool keep0 = inside[q0], keep1 = inside[q1];
+    // Most items lie wholly inside the stage-1 extent and the window: those
+    // store without a select or a bounds test per value (a warp-uniform branch).
+    auto store_item = [&](auto whole) {
 #pragma unroll
-    for (int j = 0; j < kChannelGroup / 8; ++j) {
-      const int n = n0 + j * 8 + quad * 2;
-      const float2 bias = *reinterpret_cast<const float2*>(b1 + n);
-      float acc[4] = {bias.x, bias.y, bias.x, bias.y};
-      mma_1688<T>(acc, frag, *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2));
-      float v[4];
+      for (int j = 0; j < kChannelGroup / 8; ++j) {
+        const int n = n0 + j * 8 + quad * 2;
+        const float2 bias = *reinterpret_cast<const float2*>(b1 + n);
+        float acc[4] = {bias.x, bias.y, bias.x, bias.y};
+        mma_1688<T>(acc, frag, *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2));
+        float v[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = activate(acc[e], a.act1);
-      if (q0 < win1) {
-        *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = pack2<T>(keep0 ? v[0] : 0.0f, keep0 ? v[1] : 0.0f);
+        for (int e = 0; e < 4; ++e) v[e] = activate(acc[e], a.act1);
+        if constexpr (decltype(whole)::value) {
+          *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = pack2<T>(v[0], v[1]);
+          *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = pack2<T>(v[2], v[3]);
+        } else {
+          if (q0 < win1) {
+            *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) =
+                pack2<T>(keep0 ? v[0] : 0.0f, keep0 ? v[1] : 0.0f);
+          }
+          if (q1 < win1) {
+            *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) =
+                pack2<T>(keep1 ? v[2] : 0.0f, keep1 ? v[3] : 0.0f);
+          }
+        }
       }
-      if (q1 < win1) {
-        *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = pack2<T>(keep1 ? v[2] : 0.0f, keep1 ? v[3] : 0.0f);
+    };
+    if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
+      store_item(std::true_type{});
+    } else {
+      store_item(std::false_type{});
+    }
+  }
+}
+
+// Output pixels per stage-2 depthwise item: a run along a tile row. The
+// run's windows overlap, so each stage-1 value read from shared memory feeds
+// every pixel of the run whose window holds it, and each tap read feeds the
+// whole run: for K = 3 at stride 2, 47 shared reads per 4 pixels instead of
+// 29 per pixel. Two for K = 5 and 7, whose rows of taps take more registers.
+template <int K>
+constexpr int kStage2Run = K == 3 ? 4 : 2;
+
+// The first kernel's stage-2 depthwise (stride S2) from the stage-1
+// activations into A, kStage2Run<K> pixels' 8 channels per item. Each pixel
+// adds its taps in the same order as one pixel alone would (kernel rows,
+// then columns), so the result does not depend on the run length.
+template <typename T, int K, int S2>
+__device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const float* taps, T* a_tile, int a_stride,
+                                 int Kp) {
+  constexpr int kRun = kStage2Run<K>;
+  static_assert(kTile % kRun == 0, "a tile row holds whole runs");
+  constexpr int kColumns = (kRun - 1) * S2 + K;  // window columns of a run
+  const int64_t row_step = int64_t{a.win1_w} * a.s1_stride;
+  for (GridCursor at(Kp / 8); at.row < kTileRows / kRun; at.advance()) {
+    const int c = at.column * 8;
+    const int py = at.row / (kTile / kRun), px0 = at.row % (kTile / kRun) * kRun;
+    float acc[kRun][8];
+    {
+      float bias[8];
+      load_shared_floats8(taps + K * K * Kp + c, bias);
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j][e] = bias[e];
       }
     }
+    const T* window = s1 + (py * S2 * a.win1_w + px0 * S2) * a.s1_stride + c;
+#pragma unroll
+    for (int ky = 0; ky < K; ++ky) {
+      float w[K][8];
+#pragma unroll
+      for (int kx = 0; kx < K; ++kx) load_shared_floats8(taps + (ky * K + kx) * Kp + c, w[kx]);
+      const T* row = window + ky * row_step;
+#pragma unroll
+      for (int col = 0; col < kColumns; ++col) {
+        float v[8];
+        unpack8<T>(load_shared16(row + col * a.s1_stride), v);
+#pragma unroll
+        for (int j = 0; j < kRun; ++j) {
+          const int kx = col - j * S2;  // a constant once unrolled
+          if (kx < 0 || kx >= K) continue;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(w[kx][e], v[e], acc[j][e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) store_a8<T>(a_tile + (py * kTile + px0 + j) * a_stride, c, acc[j]);
   }
 }
 
@@ -493,26 +567,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
   __syncthreads();
 
-  // Stage-2 depthwise, 8 channels of one output pixel per item, into A.
-  const int groups = Kp / 8;
-  for (int item = threadIdx.x; item < kTileRows * groups; item += kThreads) {
-    const int r = item / groups, c = (item % groups) * 8;
-    const int py = r / kTile, px = r % kTile;
-    float acc[8];
-    load_floats8(taps + K * K * Kp + c, acc);
-#pragma unroll
-    for (int ky = 0; ky < K; ++ky) {
-#pragma unroll
-      for (int kx = 0; kx < K; ++kx) {
-        const int q = (py * args.stride2 + ky) * args.win1_w + px * args.stride2 + kx;
-        float v[8], w[8];
-        unpack8<T>(load_shared16(s1 + q * args.s1_stride + c), v);
-        load_shared_floats8(taps + (ky * K + kx) * Kp + c, w);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[e], v[e], acc[e]);
-      }
-    }
-    store_a8<T>(a_tile + r * a_stride, c, acc);
+  if (args.stride2 == 2) {
+    stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp);
+  } else {
+    stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
   }
   __syncthreads();
   finish_block<T, kTileRows>(shared, args.layout, s, rows);

@@ -319,15 +319,17 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cases", nargs="+", type=parse_case)
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--quick", action="store_true", help="three cases: bf16 B=1 and B=256, fp32 B=256 (224²)")
+    chosen.add_argument("--cases", nargs="+", type=parse_case, help="cases as DTYPE:BATCH:SIDE, e.g. bf16:64:448")
     parser.add_argument("--providers", nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not native.ready():
         raise SystemExit("needs a CUDA GPU and the built LumenBridge extension")
-    cases = args.cases or [(d, b, s) for d in DTYPES for b, s in SIZES]
     if args.quick:
         cases = [("bf16", 1, 224), ("bf16", 256, 224), ("fp32", 256, 224)]
+    else:
+        cases = args.cases or [(d, b, s) for d in DTYPES for b, s in SIZES]
     run(cases, args.providers, args.out)
     print((args.out / "fused.md").read_text())
 

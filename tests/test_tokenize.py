@@ -203,6 +203,26 @@ def test_changed_parameters_change_the_tokens(device, native_ops, tmp_path):
     assert run_op(moved, images).dtype == moved.stages[0].dw.weight.dtype
 
 
+class _Halve(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_replaced_and_parametrized_weights_reach_the_op(device, native_ops):
+    """The op takes each parameter as the module exposes it: one replaced by
+    assignment, and a parametrized one (computed when read)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = VisualTokenizer(NARROW, seed=0).to(device, dtype).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
+    before = run_op(model, images)
+    pw = model.stages[1].pw
+    pw.weight = torch.nn.Parameter(pw.weight.detach() * 2)
+    assert not torch.equal(run_op(model, images), before)
+    torch.nn.utils.parametrize.register_parametrization(pw, "weight", _Halve())
+    torch.testing.assert_close(run_op(model, images), before, rtol=0, atol=0)  # (2 w) / 2 is w exactly
+
+
 def test_import_registers_every_op_of_a_built_extension(native_ops):
     """A fresh process that imports torch, then lumenbridge, finds the ops with
     their fakes: tracing tokenize under FakeTensorMode needs the Python fake."""

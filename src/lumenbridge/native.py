@@ -250,28 +250,38 @@ def depthwise_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return ops.depthwise_conv2d(input, weight, bias, stride)
 
 
+def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """module.<name>, read from the module's parameter table when it is a plain
+    parameter there: nn.Module's attribute lookup costs microseconds per call,
+    and a forward reads 18 of them. A parametrized or replaced attribute is not
+    in the table and goes through the normal lookup."""
+    found = module._parameters.get(name)
+    return found if found is not None else getattr(module, name)
+
+
 def tokenize_arguments(images: torch.Tensor, model) -> tuple:
     """The arguments of torch.ops.lumenbridge.tokenize for `model` (a
     VisualTokenizer) on `images`: its parameters in their nn layouts."""
     cfg = model.config
-    stages = model.stages
+    convs = [(stage._modules["dw"], stage._modules["pw"]) for stage in model.stages._modules.values()]
+    dw_weights = [_parameter(dw, "weight") for dw, _ in convs]
     if images.dtype != torch.uint8:
-        images = images.to(stages[0].dw.weight.dtype)
+        images = images.to(dw_weights[0].dtype)
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
-    token_norm = model.token_norm if cfg.token_norm else None
+    token_norm = model._modules["token_norm"] if cfg.token_norm else None
     return (
         images.contiguous(memory_format=memory_format_of(images)),
-        [s.dw.weight for s in stages],
-        [s.dw.bias for s in stages],
-        [s.pw.weight for s in stages],
-        [s.pw.bias for s in stages],
+        dw_weights,
+        [_parameter(dw, "bias") for dw, _ in convs],
+        [_parameter(pw, "weight") for _, pw in convs],
+        [_parameter(pw, "bias") for _, pw in convs],
         list(cfg.strides),
         cfg.activation,
         stage_norm,
         norm_weights,
         norm_biases,
-        None if token_norm is None else token_norm.weight,
-        None if token_norm is None else token_norm.bias,
+        None if token_norm is None else _parameter(token_norm, "weight"),
+        None if token_norm is None else _parameter(token_norm, "bias"),
         model.norm_eps,
         list(cfg.pixel_mean),
         list(cfg.pixel_std),
@@ -289,9 +299,9 @@ def _stage_norm_arguments(model) -> tuple[str, list[torch.Tensor], list[torch.Te
     """The op's stage_norm and its per-stage tensors: LayerNorm as is, an
     eval-mode BatchNorm as the per-channel affine map it computes."""
     kind = model.config.stage_norm
-    norms = [s.norm for s in model.stages]
     if kind == "none":
         return "none", [], []
+    norms = [s.norm for s in model.stages]
     if kind == "layernorm":
         return "layernorm", [n.weight for n in norms], [n.bias for n in norms]
     scales = [n.weight * torch.rsqrt(n.running_var + n.eps) for n in norms]

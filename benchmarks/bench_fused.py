@@ -14,7 +14,8 @@ of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
 Each row also records peak forward memory above the inputs
 (torch.cuda.max_memory_allocated). At B=256 bf16 224² it also times one
 training step (forward + backward of a fixed cotangent to every parameter)
-of LumenBridge, of the eager plain module and of its max-autotune compile. Usage:
+of LumenBridge (through the op, and layer by layer), of the eager plain
+module and of its max-autotune compile. Usage:
   python benchmarks/bench_fused.py --out DIR [--quick] [--cases DTYPE:B:SIDE ...] [--providers NAME ...]
 --quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
 --cases times the named cases, in that order (e.g. bf16:256:224 fp16:64:448);
@@ -146,8 +147,10 @@ def training_step(fn, parameters: list[torch.Tensor], x: torch.Tensor, cotangent
 
 
 def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str, x: torch.Tensor) -> list[dict]:
-    """Training-step time and peak memory (forward + backward) of LumenBridge,
-    the eager plain module and its max-autotune compile, same weights, float input."""
+    """Training-step time and peak memory (forward + backward) of LumenBridge
+    (through the op, and layer by layer through the native per-layer kernels,
+    the path the training default could take), the eager plain module and its
+    max-autotune compile, same weights, float input."""
     model.train()
     plain = PlainTokenizer(model)
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -155,7 +158,13 @@ def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str
     rows = []
     torch.compiler.reset()
     compiled = torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False)
-    for name, fn in (("lumenbridge train", model), ("eager train", plain), ("compile-ma train", compiled)):
+    steps = (
+        ("lumenbridge train", model),
+        ("lumenbridge layers train", lambda images: model.forward_layers(images, "native")),
+        ("eager train", plain),
+        ("compile-ma train", compiled),
+    )
+    for name, fn in steps:
         step = training_step(fn, parameters, x, cotangent)
         ms = median_ms(step, warmup=5, repeats=20)
         rows.append(

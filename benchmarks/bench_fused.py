@@ -7,6 +7,7 @@ Providers (same architecture, same weights):
   eager           the architecture in plain PyTorch (PlainTokenizer below)
   compile-ma      torch.compile(PlainTokenizer, mode="max-autotune-no-cudagraphs")
   compile-ro      torch.compile(PlainTokenizer, mode="reduce-overhead") (CUDA graphs; small batches)
+  lumenbridge-graph  the same VisualTokenizer call captured in a CUDA graph and replayed (small batches)
   vit-patch       ViT-B/16's patch embedding (Conv2d 3 -> 768, 16 x 16, stride 16), for scale
 Floors: the pointwise FLOPs at the measured bf16 matmul rate, and the bytes
 of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
@@ -16,10 +17,11 @@ Each row also records peak forward memory above the inputs
 training step (forward + backward of a fixed cotangent to every parameter)
 of LumenBridge (through the op, and layer by layer), of the eager plain
 module and of its max-autotune compile. Usage:
-  python benchmarks/bench_fused.py --out DIR [--quick] [--cases DTYPE:B:SIDE ...] [--providers NAME ...]
+  python benchmarks/bench_fused.py --out DIR [--quick | --cases DTYPE:B:SIDE ...] [--providers NAME ...]
 --quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
 --cases times the named cases, in that order (e.g. bf16:256:224 fp16:64:448);
---providers keeps only the named providers (the floors always stay).
+--providers keeps only the named forward providers (the floors always stay; the
+training steps at B=256 bf16 224² always run).
 Writes DIR/fused.json, DIR/fused.md and DIR/fused.png, rewritten after each
 case, so a run cut short keeps every case it finished.
 """
@@ -331,7 +333,7 @@ def main() -> None:
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--quick", action="store_true", help="three cases: bf16 B=1 and B=256, fp32 B=256 (224²)")
     chosen.add_argument("--cases", nargs="+", type=parse_case, help="cases as DTYPE:BATCH:SIDE, e.g. bf16:64:448")
-    parser.add_argument("--providers", nargs="+")
+    parser.add_argument("--providers", nargs="+", help="forward providers to keep (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not native.ready():
         raise SystemExit("needs a CUDA GPU and the built LumenBridge extension")

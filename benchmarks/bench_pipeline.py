@@ -160,7 +160,7 @@ class PeakMemory(threading.Thread):
                 for process in processes:
                     try:
                         memory = process.memory_full_info()
-                        rss += getattr(memory, "uss", memory.rss)  # unique memory: shared pages once
+                        rss += getattr(memory, "uss", memory.rss)  # unique memory: shared pages are not counted
                     except psutil.Error:
                         continue
                 self.peak = max(self.peak, rss)
@@ -253,7 +253,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for bench_pipeline.json")
     parser.add_argument("--data", help="folder for the generated JPEGs (default: a temporary folder, removed)")
     parser.add_argument("--images", type=int, help="images to generate (default: 20000, 4000 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="fewer images and no CPU end-to-end run: about 2 min")
+    parser.add_argument("--quick", action="store_true", help="fewer images and no CPU end-to-end run: about 1 min")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="DataLoader workers (default: CPUs)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--shard-size", type=int, default=10_000)

@@ -223,6 +223,19 @@ def test_replaced_and_parametrized_weights_reach_the_op(device, native_ops):
     torch.testing.assert_close(run_op(model, images), before, rtol=0, atol=0)  # (2 w) / 2 is w exactly
 
 
+def test_a_weight_its_class_computes_reaches_the_op(native_ops):
+    """A module whose class defines `weight` (a property, as class-swapping
+    wrappers do) while the raw parameter stays registered: the op takes the
+    attribute, not the table entry."""
+    model = VisualTokenizer(NARROW, seed=0).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    before = run_op(model, images)
+    pw = model.stages[1].pw
+    zeroed = property(lambda self: torch.zeros_like(self._parameters["weight"]))
+    pw.__class__ = type("ZeroedWeightConv", (type(pw),), {"weight": zeroed})
+    assert not torch.equal(run_op(model, images), before)
+
+
 def test_import_registers_every_op_of_a_built_extension(native_ops):
     """A fresh process that imports torch, then lumenbridge, finds the ops with
     their fakes: tracing tokenize under FakeTensorMode needs the Python fake."""

@@ -6,6 +6,8 @@ backward is the op tokenize_backward (first order only). The C++ half
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import extension
@@ -250,13 +252,22 @@ def depthwise_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return ops.depthwise_conv2d(input, weight, bias, stride)
 
 
+@functools.cache
+def _class_defines(cls: type, name: str) -> bool:
+    """Whether `cls` or a base class defines `name` itself (a property, say)."""
+    return any(name in klass.__dict__ for klass in cls.__mro__)
+
+
 def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-    """module.<name>, read from the module's parameter table when it is a plain
-    parameter there: nn.Module's attribute lookup costs microseconds per call,
-    and a forward reads 18 of them. A parametrized or replaced attribute is not
-    in the table and goes through the normal lookup."""
+    """module.<name>, read from the module's parameter table where that is what
+    the attribute returns: nn.Module's attribute lookup costs microseconds,
+    and a forward reads 18 of them. A parametrized name is not in the table,
+    and a class may define the name itself (a property); both take the normal
+    lookup."""
     found = module._parameters.get(name)
-    return found if found is not None else getattr(module, name)
+    if found is None or _class_defines(type(module), name):
+        return getattr(module, name)
+    return found
 
 
 def tokenize_arguments(images: torch.Tensor, model) -> tuple:

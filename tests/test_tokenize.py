@@ -203,6 +203,15 @@ def test_changed_parameters_change_the_tokens(device, native_ops, tmp_path):
     assert run_op(moved, images).dtype == moved.stages[0].dw.weight.dtype
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_an_empty_batch_gives_no_tokens(device, native_ops):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = VisualTokenizer(BASE, seed=0).to(device, dtype).eval()
+    images = torch.zeros((0, 3, 64, 64), dtype=torch.uint8, device=device)
+    tokens = run_op(model, images)
+    assert tokens.shape == (0, 16, 768) and tokens.dtype == dtype  # 4 x 4 tokens per image
+
+
 class _Halve(torch.nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight / 2
@@ -350,7 +359,7 @@ def test_sample_cases_cover_what_the_issue_lists():
     assert any(w % 16 for c in configs for w in c.stage_widths)
     assert dataclasses.replace(NARROW, strides=(2, 1, 2, 2)) in configs
     # First-kernel tiles (8 x 8 stage-2 outputs) of one case: more than the
-    # 264 blocks an H200 keeps resident, so persistent blocks loop.
+    # 264 blocks an H200 keeps resident, so they run in more than one wave.
     first_tiles = max(
         c.batch * -(-c.size[0] // 32) * -(-c.size[1] // 32) for c in CASES if c.config.strides[:2] == (2, 2)
     )

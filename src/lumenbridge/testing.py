@@ -90,8 +90,8 @@ def tokenize_cases() -> list[TokenizeCase]:
         _case("dynamic-pad-float", NARROW, size=(37, 19), dynamic_pad=True, uint8=False, channels_last=True),
         _case("two-stages", rep(NARROW, embed_dim=20, stage_widths=(12, 20), strides=(2, 2)), size=(24, 40)),
         _case("three-stages", rep(NARROW, embed_dim=36, stage_widths=(12, 20, 36), strides=(2, 2, 2))),
-        # More first-kernel tiles (384) than an H200 keeps blocks resident, so
-        # persistent blocks take several tiles each.
+        # More first-kernel tiles (384) than an H200 keeps blocks resident
+        # (264), so the blocks run in more than one wave.
         _case("many-tiles", NARROW, batch=24, size=(128, 128)),
     ]
 

@@ -12,7 +12,9 @@
 //   depthwise   dW, db and g_x from g_d and x_i                (LumenBridge kernels)
 //   activation  g_n = act'(n_{i-1}) g_x                        (ATen)
 // Activations are channels-last throughout, so the pointwise stages are plain
-// GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows.
+// GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows;
+// only the depthwise kernels of a stage with few input channels (the images')
+// run in NCHW.
 // Every reduction is an ATen reduction, a GEMM or LumenBridge's weight-gradient
 // kernel (fixed order): no atomics, so the gradients are bitwise deterministic.
 #include <ATen/ATen.h>
@@ -25,26 +27,46 @@ namespace {
 
 constexpr auto kChannelsLast = at::MemoryFormat::ChannelsLast;
 
-// What the depthwise kernels read for Layout::NHWC (a no-op where it already is).
-at::Tensor channels_last(const at::Tensor& x) { return x.contiguous(kChannelsLast); }
-
-// A channels-last [N, C, h, w] tensor as its [N * h * w, C] rows (a view), and
-// rows back as a channels-last [N, C, h, w] view.
+// An [N, C, h, w] tensor as its [N * h * w, C] rows (a view where it is
+// channels-last already), and rows back as a channels-last [N, C, h, w] view.
 at::Tensor rows(const at::Tensor& x) {
-  return channels_last(x).permute({0, 2, 3, 1}).reshape({-1, x.size(1)});
+  return x.contiguous(kChannelsLast).permute({0, 2, 3, 1}).reshape({-1, x.size(1)});
 }
 
 at::Tensor from_rows(const at::Tensor& r, int64_t n, int64_t h, int64_t w) {
   return r.view({n, h, w, r.size(1)}).permute({0, 3, 1, 2});
 }
 
-at::Tensor pointwise_matrix(const TokenizeStage& s) {
-  return s.pw_weight.view({s.out_channels, s.in_channels});
+// The layout a stage's depthwise kernels run in: NHWC, except below one
+// 16-byte vector of half-type channels (the 3-channel images), where NHWC's
+// channel vectors are mostly empty and the NCHW kernels' rows are dense (at
+// 224 x 224, B = 256, bf16: about 1.5 ms against tens of microseconds).
+constexpr int64_t kMinNhwcChannels = 8;
+Layout depthwise_layout(const TokenizeStage& s) {
+  return s.in_channels < kMinNhwcChannels ? Layout::NCHW : Layout::NHWC;
 }
+
+// The pointwise GEMMs run over input channels padded with zero columns to a
+// multiple of 8: cuBLAS takes slow unaligned kernels for an inner dimension
+// of 3 (the first stage's, 0.5-0.7 ms each at B = 256, bf16), and the zero
+// products add nothing.
+constexpr int64_t kGemmColumns = 8;
+at::Tensor pad_columns(const at::Tensor& m) {
+  const int64_t pad = (kGemmColumns - m.size(1) % kGemmColumns) % kGemmColumns;
+  return pad == 0 ? m : at::constant_pad_nd(m, {0, pad});
+}
+
+// The pointwise weight as [Cout, Cin padded] and the depthwise output as its
+// [M, Cin padded] rows.
+at::Tensor pointwise_matrix(const TokenizeStage& s) {
+  return pad_columns(s.pw_weight.view({s.out_channels, s.in_channels}));
+}
+at::Tensor pointwise_rows(const at::Tensor& d) { return pad_columns(rows(d)); }
 
 // The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout].
 at::Tensor pointwise(const at::Tensor& d, const TokenizeStage& s) {
-  return from_rows(at::addmm(s.pw_bias, rows(d), pointwise_matrix(s).t()), d.size(0), d.size(2), d.size(3));
+  return from_rows(at::addmm(s.pw_bias, pointwise_rows(d), pointwise_matrix(s).t()), d.size(0), d.size(2),
+                   d.size(3));
 }
 
 // The activation's backward, written over `grad` (a stage-sized buffer the
@@ -125,16 +147,17 @@ std::vector<at::Tensor> pointwise_outputs(const at::Tensor& x0, const TokenizePr
   at::Tensor x = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
-    const at::Tensor d = kernels.forward(x, s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, Layout::NHWC));
+    const Layout layout = depthwise_layout(s);
+    const at::Tensor d = kernels.forward(dense(x, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout));
     outputs.push_back(pointwise(d, s));
-    if (i + 1 < p.stages.size()) x = channels_last(activate(apply_stage_norm(outputs.back(), s, p), p.activation));
+    if (i + 1 < p.stages.size()) x = activate(apply_stage_norm(outputs.back(), s, p), p.activation);
   }
   return outputs;
 }
 
 // One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output and `input` its input (both taken over, so
-// they are released as soon as they are used). The parameters' gradients go
+// `output` its pointwise output and `input` its input, dense in the stage's
+// depthwise layout (both taken over, so they are released as soon as they are used). The parameters' gradients go
 // into `grads`; returns the gradient of the input, undefined when the first
 // stage needs none.
 at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, size_t i,
@@ -150,11 +173,16 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, 
   }
   const at::Tensor g_p = rows(norm.input);
   norm.input.reset();
-  const DepthwiseProblem dw = stage_depthwise_problem(p, i, Layout::NHWC);
-  const at::Tensor g_d = from_rows(at::mm(g_p, pointwise_matrix(s)), p.N, s.out_h, s.out_w);
+  const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
+  const at::Tensor g_d =
+      dense(from_rows(at::mm(g_p, pointwise_matrix(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
+            dw.layout);
   if (mask.parameters) {
     const at::Tensor d = kernels.forward(input, s.dw_weight, s.dw_bias, dw);
-    grads.pw_weights[i] = at::mm(g_p.t(), rows(d)).view({s.out_channels, s.in_channels, 1, 1});
+    grads.pw_weights[i] = at::mm(g_p.t(), pointwise_rows(d))
+                              .narrow(1, 0, s.in_channels)
+                              .contiguous()
+                              .view({s.out_channels, s.in_channels, 1, 1});
     grads.pw_biases[i] = row_sum(g_p, p.dtype);
     std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, input, dw);
   }
@@ -168,7 +196,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
                                          const TokenizeProblem& p, TokenizeGradMask mask,
                                          const DepthwiseKernels& kernels) {
   const size_t S = p.stages.size();
-  at::Tensor x0 = channels_last(normalized_images(images, p));
+  at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
   std::vector<at::Tensor> outputs = pointwise_outputs(x0, p, kernels);
   TokenizeGrads grads;
   if (mask.parameters) {
@@ -195,15 +223,16 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     // the weight gradients); the normed output also gives the activation's backward.
     const at::Tensor previous = i > 0 ? apply_stage_norm(outputs[i - 1], p.stages[i - 1], p) : at::Tensor();
     at::Tensor input;
-    if (mask.parameters) input = i > 0 ? channels_last(activate(previous, p.activation)) : std::move(x0);
+    if (mask.parameters) {
+      input = i > 0 ? dense(activate(previous, p.activation), depthwise_layout(p.stages[i])) : std::move(x0);
+    }
     at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(input), i, p, mask, kernels, grads);
     if (i > 0) {
       activation_backward_(g_x, previous, p.activation);
       g = std::move(g_x);
     } else if (mask.images) {
       // Padding was added after normalization: its gradient is dropped.
-      grads.images = g_x.narrow(2, 0, p.H).narrow(3, 0, p.W).contiguous(
-          p.layout == Layout::NHWC ? kChannelsLast : at::MemoryFormat::Contiguous);
+      grads.images = dense(g_x.narrow(2, 0, p.H).narrow(3, 0, p.W), p.layout);
     }
   }
   return grads;

@@ -61,6 +61,11 @@ DepthwiseProblem stage_depthwise_problem(const TokenizeProblem& p, size_t stage,
   return dw;
 }
 
+at::Tensor dense(const at::Tensor& x, Layout layout) {
+  return x.contiguous(layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                             : at::MemoryFormat::Contiguous);
+}
+
 namespace {
 
 // cuDNN's / oneDNN's depthwise convolution: faster than LumenBridge's NHWC
@@ -69,12 +74,6 @@ namespace {
 at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
   return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
-}
-
-// Dense NCHW or NHWC, whichever the depthwise kernels read for this layout.
-at::Tensor dense(const at::Tensor& x, Layout layout) {
-  return x.contiguous(layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
-                                             : at::MemoryFormat::Contiguous);
 }
 
 }  // namespace

@@ -21,4 +21,7 @@ at::Tensor apply_stage_norm(const at::Tensor& x, const TokenizeStage& stage, con
 // on activations in `layout`.
 DepthwiseProblem stage_depthwise_problem(const TokenizeProblem& p, size_t stage, Layout layout);
 
+// Dense NCHW or NHWC, whichever the depthwise kernels read for this layout.
+at::Tensor dense(const at::Tensor& x, Layout layout);
+
 }  // namespace lumenbridge

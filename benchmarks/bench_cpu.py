@@ -3,10 +3,12 @@
 It decides dispatch.DEFAULTS["cpu"].
 
 Cases: the depthwise convolutions of lumenbridge-base's four stages at B=8
-(forward, and forward + all gradients), and the whole tokenizer's forward,
-each in NCHW and channels-last.
+(forward, and forward + all gradients), and the whole tokenizer (forward, and
+a training step: forward + the gradients of every parameter), each in NCHW and
+channels-last.
 
-Usage: python benchmarks/bench_cpu.py [--out DIR]   (prints a Markdown table)
+Usage: python benchmarks/bench_cpu.py [--parts depthwise tokenizer] [--out DIR]
+(prints a Markdown table)
 """
 
 from __future__ import annotations
@@ -78,11 +80,15 @@ def model_rows():
         x = images.contiguous(memory_format=fmt)
         for name in ("native", "reference"):
             model = VisualTokenizer(backend=name, seed=0).eval()
+            parameters = list(model.parameters())
+
+            def train_step(model=model, x=x, parameters=parameters):
+                return torch.autograd.grad(model(x).sum(), parameters)
+
             with torch.no_grad():
                 forward = median_ms(lambda model=model, x=x: model(x), repeats=5)
-            rows.append(
-                {"case": "tokenizer 224²", "layout": layout, "impl": name, "forward": forward, "train": float("nan")}
-            )
+            train = median_ms(train_step, repeats=5)
+            rows.append({"case": "tokenizer 224²", "layout": layout, "impl": name, "forward": forward, "train": train})
     return rows
 
 
@@ -97,18 +103,21 @@ def markdown(rows) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        train = "" if r["train"] != r["train"] else f"{r['train']:.2f}"
-        lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {r['forward']:.2f} | {train} |")
+        lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {r['forward']:.2f} | {r['train']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+PARTS = {"depthwise": depthwise_rows, "tokenizer": model_rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not native.ready():
         raise SystemExit("the LumenBridge extension did not build")
-    table = markdown(depthwise_rows() + model_rows())
+    table = markdown([row for part in args.parts for row in PARTS[part]()])
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,9 @@
 // Autograd saves only the op's arguments (the images and the parameters), so
 // training holds no activations between forward and backward. The backward
 // first recomputes the forward once, keeping each stage's pointwise output
-// p_i (before its norm); then, from the last stage down, it rebuilds the
-// stage input x_i = act(norm(p_{i-1})) and the depthwise output d_i from it,
-// and takes the stage's gradients:
+// p_i (before its norm) and, for the weight gradients, its depthwise output
+// d_i; then, from the last stage down, it rebuilds the stage input
+// x_i = act(norm(p_{i-1})) and takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (ATen, opmath)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
 //   depthwise   dW, db and g_x from g_d and x_i                (LumenBridge kernels)
@@ -140,27 +140,35 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
   return nhwc.contiguous().permute({0, 3, 1, 2});
 }
 
-// The forward once more, keeping each stage's pointwise output (before its norm).
-std::vector<at::Tensor> pointwise_outputs(const at::Tensor& x0, const TokenizeProblem& p,
-                                          const DepthwiseKernels& kernels) {
-  std::vector<at::Tensor> outputs;
+// The forward once more: each stage's pointwise output (before its norm)
+// and, for the pointwise weight gradients, its depthwise output (a quarter of
+// the pointwise outputs' bytes at the presets' widths, kept rather than
+// recomputed).
+struct Recomputed {
+  std::vector<at::Tensor> outputs, depthwise;
+};
+Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const DepthwiseKernels& kernels,
+                             bool keep_depthwise) {
+  Recomputed r;
   at::Tensor x = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const Layout layout = depthwise_layout(s);
-    const at::Tensor d = kernels.forward(dense(x, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout));
-    outputs.push_back(pointwise(d, s));
-    if (i + 1 < p.stages.size()) x = activate(apply_stage_norm(outputs.back(), s, p), p.activation);
+    at::Tensor d = kernels.forward(dense(x, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout));
+    r.outputs.push_back(pointwise(d, s));
+    r.depthwise.push_back(keep_depthwise ? std::move(d) : at::Tensor());
+    if (i + 1 < p.stages.size()) x = activate(apply_stage_norm(r.outputs.back(), s, p), p.activation);
   }
-  return outputs;
+  return r;
 }
 
 // One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output and `input` its input, dense in the stage's
-// depthwise layout (both taken over, so they are released as soon as they are used). The parameters' gradients go
-// into `grads`; returns the gradient of the input, undefined when the first
-// stage needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, size_t i,
+// `output` its pointwise output, `depthwise` its depthwise output and `input`
+// its input, dense in the stage's depthwise layout (all taken over, so they
+// are released as soon as they are used). The parameters' gradients go into
+// `grads`; returns the gradient of the input, undefined when the first stage
+// needs none.
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor input, size_t i,
                           const TokenizeProblem& p, TokenizeGradMask mask, const DepthwiseKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
@@ -178,8 +186,7 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor input, 
       dense(from_rows(at::mm(g_p, pointwise_matrix(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
             dw.layout);
   if (mask.parameters) {
-    const at::Tensor d = kernels.forward(input, s.dw_weight, s.dw_bias, dw);
-    grads.pw_weights[i] = at::mm(g_p.t(), pointwise_rows(d))
+    grads.pw_weights[i] = at::mm(g_p.t(), pointwise_rows(depthwise))
                               .narrow(1, 0, s.in_channels)
                               .contiguous()
                               .view({s.out_channels, s.in_channels, 1, 1});
@@ -197,7 +204,8 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
                                          const DepthwiseKernels& kernels) {
   const size_t S = p.stages.size();
   at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  std::vector<at::Tensor> outputs = pointwise_outputs(x0, p, kernels);
+  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters);
+  std::vector<at::Tensor>& outputs = forward.outputs;
   TokenizeGrads grads;
   if (mask.parameters) {
     for (auto* list : {&grads.dw_weights, &grads.dw_biases, &grads.pw_weights, &grads.pw_biases}) {
@@ -226,7 +234,8 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     if (mask.parameters) {
       input = i > 0 ? dense(activate(previous, p.activation), depthwise_layout(p.stages[i])) : std::move(x0);
     }
-    at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(input), i, p, mask, kernels, grads);
+    at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(forward.depthwise[i]),
+                                    std::move(input), i, p, mask, kernels, grads);
     if (i > 0) {
       activation_backward_(g_x, previous, p.activation);
       g = std::move(g_x);

@@ -179,20 +179,27 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
     grads.norm_weights[i] = norm.weight;
     grads.norm_biases[i] = norm.bias;
   }
-  const at::Tensor g_p = rows(norm.input);
+  at::Tensor g_p = rows(norm.input);
   norm.input.reset();
   const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
   const at::Tensor g_d =
       dense(from_rows(at::mm(g_p, pointwise_matrix(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
             dw.layout);
+  // Each tensor is released after its last use: the largest stage inputs and
+  // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
   if (mask.parameters) {
     grads.pw_weights[i] = at::mm(g_p.t(), pointwise_rows(depthwise))
                               .narrow(1, 0, s.in_channels)
                               .contiguous()
                               .view({s.out_channels, s.in_channels, 1, 1});
     grads.pw_biases[i] = row_sum(g_p, p.dtype);
+  }
+  g_p.reset();
+  depthwise.reset();
+  if (mask.parameters) {
     std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, input, dw);
   }
+  input.reset();
   if (i == 0 && !mask.images) return at::Tensor();
   return kernels.backward_input(g_d, s.dw_weight, dw);
 }

@@ -25,12 +25,10 @@
 namespace lumenbridge {
 namespace {
 
-constexpr auto kChannelsLast = at::MemoryFormat::ChannelsLast;
-
 // An [N, C, h, w] tensor as its [N * h * w, C] rows (a view where it is
 // channels-last already), and rows back as a channels-last [N, C, h, w] view.
 at::Tensor rows(const at::Tensor& x) {
-  return x.contiguous(kChannelsLast).permute({0, 2, 3, 1}).reshape({-1, x.size(1)});
+  return dense(x, Layout::NHWC).permute({0, 2, 3, 1}).reshape({-1, x.size(1)});
 }
 
 at::Tensor from_rows(const at::Tensor& r, int64_t n, int64_t h, int64_t w) {

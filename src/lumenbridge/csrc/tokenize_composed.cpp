@@ -19,8 +19,7 @@ at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p)
     // Zero padding after normalization: padded pixels are 0, not `mean`.
     x = at::constant_pad_nd(x, {0, p.Wp - p.W, 0, p.Hp - p.H});
   }
-  return x.contiguous(p.layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
-                                               : at::MemoryFormat::Contiguous);
+  return dense(x, p.layout);
 }
 
 at::Tensor activate(const at::Tensor& x, Activation activation) {

@@ -2,7 +2,7 @@
 // block's depthwise tile with the pointwise weight, the epilogue that writes a
 // tile of stage outputs or tokens, and the small device helpers they share.
 //
-// A block owns Rows (64 or 32) output pixels. Its depthwise results, A [64 x Kp] in
+// A block owns kTileRows (64) output pixels. Its depthwise results, A [64 x Kp] in
 // the compute dtype, live in shared memory only; each warp multiplies all 64
 // rows by its own columns of the pointwise weight, read straight from the
 // nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
@@ -21,7 +21,7 @@ namespace lumenbridge {
 namespace cuda {
 namespace fused {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;                   // of a first-kernel block; stage blocks have 8 or 16
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M), at most
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
@@ -36,15 +36,15 @@ __host__ __device__ constexpr int padded_stride(int cols) {
 __host__ __device__ constexpr int round_up(int v, int m) { return (v + m - 1) / m * m; }
 __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// A thread's items threadIdx.x, + kThreads, + 2 kThreads, ... of a grid with
-// `columns` items per row, as (row, column): one division per thread, not
-// two per item (a division by a runtime value is about 20 instructions).
+// A thread's items threadIdx.x, + blockDim.x, + 2 blockDim.x, ... of a grid
+// with `columns` items per row, as (row, column): one division per thread,
+// not two per item (a division by a runtime value is about 20 instructions).
 struct GridCursor {
   int row, column;
   const int columns, row_step, column_step;
   __device__ explicit GridCursor(int columns)
       : row(threadIdx.x / columns), column(threadIdx.x % columns), columns(columns),
-        row_step(kThreads / columns), column_step(kThreads % columns) {}
+        row_step(blockDim.x / columns), column_step(blockDim.x % columns) {}
   __device__ __forceinline__ void advance() {
     row += row_step;
     column += column_step;
@@ -112,43 +112,115 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
                     pack2<T>(v[6], v[7]));
 }
 
-// The hardware tanh (MUFU, relative error about 2^-11): one special-function
-// instruction per activation, far below half a unit of bfloat16 (2^-9) or
-// float16 (2^-11 relative, and the outputs feed sums that average it down).
-__device__ __forceinline__ float tanh_approx(float u) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
-  return t;
-}
+// ---- activation, two values at a time ----------------------------------------
 
 // Every activation as one branch-free form, v/2 (1 + tanh(u)) with
 // u = v p(min(v^2, 25)) + q, so a kernel applies whichever the config names
 // with no per-element switch:
 //   gelu  p fitted to the erf form (not the usual tanh-GELU, which is 5e-4
-//         off): max error 2.7e-5 before the tanh's own; at v^2 = 25 p is
-//         still positive and tanh is 1 in float;
+//         off): max error 2.7e-5 before rounding; at v^2 = 25 p is still
+//         positive and tanh is 1;
 //   silu  v sigmoid(v) = v/2 (1 + tanh(v/2)): p = 1/2;
-//   relu  p huge, so tanh is exactly -1 or 1 (error below 1e-30 |v|);
-//   none  p = 0, q huge: tanh(q) = 1 and the form is exactly v.
+//   relu  p = the largest finite T, so tanh is -1 or 1 (exactly for
+//         |v| > 5 / p: everywhere in bfloat16; in float16 values under
+//         7e-5 are scaled by 1/2 to 1, an error under 4e-5);
+//   none  p = 0, q = the largest finite T: tanh(q) = 1 and the form is exactly v.
+// It runs on pairs of T in packed instructions (fma/mul/min .bf16x2 or
+// .f16x2 and one hardware tanh for both values): about 4.5 instructions a
+// value, against 9.5 in float. v is rounded to T first, as PyTorch rounds
+// a convolution's output before its activation; the packed steps add a few
+// units of T's last place at most, which the tokens' tolerance test covers
+// (the emulated form changes the tokens' error against float64 by under 10%).
 struct ActivationForm {
-  float p0, p1, p2, q;
+  uint32_t p0, p1, p2, q, clamp, half;  // each a pair of equal values of T
 };
 
-inline ActivationForm activation_form(Activation act) {
-  switch (act) {
-    case Activation::GELU: return {7.97528333e-1f, 3.69923366e-2f, -3.49826470e-4f, 0.0f};
-    case Activation::SILU: return {0.5f, 0.0f, 0.0f, 0.0f};
-    case Activation::RELU: return {1e30f, 0.0f, 0.0f, 0.0f};
-    case Activation::NONE: return {0.0f, 0.0f, 0.0f, 1e30f};
-  }
-  return {0.0f, 0.0f, 0.0f, 1e30f};
+template <typename T>
+uint32_t splat(float v) {
+  const uint32_t bits = T(v).x;  // rounded to nearest, as the device rounds
+  return bits | bits << 16;
 }
 
-__device__ __forceinline__ float activate(float v, const ActivationForm& f) {
-  const float x2 = fminf(v * v, 25.0f);
-  const float u = fmaf(v, fmaf(x2, fmaf(x2, f.p2, f.p1), f.p0), f.q);
-  const float h = 0.5f * v;
-  return fmaf(h, tanh_approx(u), h);
+template <typename T>
+ActivationForm activation_form(Activation act) {
+  const float largest = static_cast<float>(std::numeric_limits<T>::max());
+  float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, q = 0.0f;
+  switch (act) {
+    case Activation::GELU: p0 = 7.97528333e-1f, p1 = 3.69923366e-2f, p2 = -3.49826470e-4f; break;
+    case Activation::SILU: p0 = 0.5f; break;
+    case Activation::RELU: p0 = largest; break;
+    case Activation::NONE: q = largest; break;
+  }
+  return {splat<T>(p0), splat<T>(p1), splat<T>(p2), splat<T>(q), splat<T>(25.0f), splat<T>(0.5f)};
+}
+
+// The packed instructions on pairs of T held in 32-bit registers.
+template <typename T>
+struct PairMath;
+
+template <>
+struct PairMath<at::BFloat16> {
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    return fma(a, b, 0x80008000u);  // + (-0): exact, and -0 keeps the sign of a zero product
+  }
+  static __device__ __forceinline__ uint32_t min(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t tanh(uint32_t u) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t t;
+    asm("tanh.approx.bf16x2 %0, %1;" : "=r"(t) : "r"(u));
+    return t;
+#else  // no packed bfloat16 tanh before sm_90: one float tanh per value
+    const float2 f = unpack2<at::BFloat16>(u);
+    float t0, t1;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t0) : "f"(f.x));
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t1) : "f"(f.y));
+    return pack2<at::BFloat16>(t0, t1);
+#endif
+  }
+};
+
+template <>
+struct PairMath<at::Half> {
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t min(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("min.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t tanh(uint32_t u) {
+    uint32_t t;
+    asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(u));
+    return t;
+  }
+};
+
+// act(a), act(b) rounded to T and packed (a in the low half), for a store.
+template <typename T>
+__device__ __forceinline__ uint32_t activate_pair(float a, float b, const ActivationForm& f) {
+  using M = PairMath<T>;
+  const uint32_t v = pack2<T>(a, b);
+  const uint32_t x2 = M::min(M::mul(v, v), f.clamp);
+  const uint32_t p = M::fma(M::fma(x2, f.p2, f.p1), x2, f.p0);
+  const uint32_t t = M::tanh(M::fma(v, p, f.q));
+  return M::mul(v, M::fma(t, f.half, f.half));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -258,24 +330,23 @@ struct PointwiseWeight {
 // k-groups of B fragments a warp keeps in flight ahead of the one it
 // multiplies: B comes from L2, whose latency is several times one k-group's
 // mma work. Fewer with 64 rows, whose accumulators take twice the registers.
-template <int Rows>
-constexpr int kBDepth = Rows == 64 ? 2 : 3;
+constexpr int kBDepth = 2;
 
 // out_tile[row][n] = act(A[row] . weight[n] + bias[n]) in T for the block's
-// Rows rows and all Cout columns. Each warp takes kNTiles column tiles per
+// kTileRows rows and all Cout columns. Each warp takes kNTiles column tiles per
 // pass; each lane's B rows (one per column tile) are fixed for a pass, so
 // their addresses and bounds are computed once, and its loads run
-// kBDepth<Rows> k-groups ahead of the multiplies in a ring of registers.
-template <typename T, int Rows, bool Vector>
+// kBDepth k-groups ahead of the multiplies in a ring of registers.
+template <typename T, bool Vector>
 __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw,
                           const ActivationForm& act, T* out_tile, int out_stride) {
-  constexpr int kDepth = Vector ? kBDepth<Rows> + 1 : 1;  // the element path: no ring (rare; registers)
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kDepth = Vector ? kBDepth + 1 : 1;  // the element path: no ring (rare; registers)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int group = lane / 4, quad = lane % 4;
   const int column_tiles = (pw.out_channels + 7) / 8;
   const int k_groups = k_padded / kChannelGroup;
   const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
-  for (int tile0 = warp * kNTiles; tile0 < column_tiles; tile0 += kWarps * kNTiles) {
+  for (int tile0 = warp * kNTiles; tile0 < column_tiles; tile0 += warps * kNTiles) {
     // Element offsets of the lane's B rows (the weight has fewer than 2^31
     // elements: the gateway checks every tensor's size).
     int b_row[kNTiles];
@@ -296,13 +367,17 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, d);  // zeros past K
     }
-    float acc[(Rows / 16)][kNTiles][4];
+    // The accumulators start at the bias (columns 2 quad, 2 quad + 1 of each tile).
+    float acc[(kTileRows / 16)][kNTiles][4];
 #pragma unroll
-    for (int m = 0; m < (Rows / 16); ++m) {
+    for (int j = 0; j < kNTiles; ++j) {
+      const int n = (tile0 + j) * 8 + 2 * quad;
+      const float bias0 = n < pw.out_channels ? static_cast<float>(pw.bias[n]) : 0.0f;
+      const float bias1 = n + 1 < pw.out_channels ? static_cast<float>(pw.bias[n + 1]) : 0.0f;
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+      for (int m = 0; m < (kTileRows / 16); ++m) {
+        acc[m][j][0] = acc[m][j][2] = bias0;
+        acc[m][j][1] = acc[m][j][3] = bias1;
       }
     }
     for (int kg0 = 0; kg0 < k_groups; kg0 += kDepth) {
@@ -312,13 +387,13 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         if (kg >= k_groups) break;
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
-          uint32_t a[(Rows / 16)][4];
+          uint32_t a[(kTileRows / 16)][4];
 #pragma unroll
-          for (int m = 0; m < (Rows / 16); ++m) {
+          for (int m = 0; m < (kTileRows / 16); ++m) {
             ldmatrix_x4(a[m], a_lane + m * 16 * a_stride + kg * kChannelGroup + step * 16);
           }
 #pragma unroll
-          for (int m = 0; m < (Rows / 16); ++m) {
+          for (int m = 0; m < (kTileRows / 16); ++m) {
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
               mma_16816<T>(acc[m][j], a[m], step ? ring[d][j].z : ring[d][j].x, step ? ring[d][j].w : ring[d][j].y);
@@ -334,15 +409,13 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
     for (int j = 0; j < kNTiles; ++j) {
       const int n = (tile0 + j) * 8 + 2 * quad;
       if (tile0 + j >= column_tiles) continue;
-      const float bias0 = n < pw.out_channels ? static_cast<float>(pw.bias[n]) : 0.0f;
-      const float bias1 = n + 1 < pw.out_channels ? static_cast<float>(pw.bias[n + 1]) : 0.0f;
 #pragma unroll
-      for (int m = 0; m < (Rows / 16); ++m) {
+      for (int m = 0; m < (kTileRows / 16); ++m) {
         const int row = m * 16 + group;
         *reinterpret_cast<uint32_t*>(out_tile + row * out_stride + n) =
-            pack2<T>(activate(acc[m][j][0] + bias0, act), activate(acc[m][j][1] + bias1, act));
+            activate_pair<T>(acc[m][j][0], acc[m][j][1], act);
         *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * out_stride + n) =
-            pack2<T>(activate(acc[m][j][2] + bias0, act), activate(acc[m][j][3] + bias1, act));
+            activate_pair<T>(acc[m][j][2], acc[m][j][3], act);
       }
     }
   }
@@ -375,10 +448,10 @@ struct RowInfo {
 
 // Two passes over each row from shared memory, as PyTorch's LayerNorm does in
 // float from the rounded pointwise output.
-template <typename T, int Rows>
+template <typename T>
 __device__ void row_statistics(const T* tile, int stride, int channels, float eps, RowInfo& rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < Rows; r += kWarps) {
+  for (int r = warp; r < kTileRows; r += blockDim.x / 32) {
     if (rows.pixel[r] < 0) continue;
     const T* row = tile + r * stride;
     // Whole 16-byte units where the row has them (rows start 16-byte aligned).
@@ -412,11 +485,11 @@ __device__ void row_statistics(const T* tile, int stride, int channels, float ep
 }
 
 // Writes the block's tile (after the GEMM, behind a barrier) to device memory.
-template <typename T, int Rows>
+template <typename T>
 __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, RowInfo& rows) {
   const bool norm = o.norm_weight != nullptr;
   if (norm) {
-    row_statistics<T, Rows>(tile, stride, o.channels, o.eps, rows);
+    row_statistics<T>(tile, stride, o.channels, o.eps, rows);
     __syncthreads();
   }
   auto transform = [&](float v, int r, int c) {
@@ -426,8 +499,8 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
   };
   if (o.planes) {
     // Consecutive threads take consecutive pixels of one channel plane.
-    for (int item = threadIdx.x; item < Rows * o.channels; item += kThreads) {
-      const int r = item % Rows, c = item / Rows;
+    for (int item = threadIdx.x; item < kTileRows * o.channels; item += blockDim.x) {
+      const int r = item % kTileRows, c = item / kTileRows;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       const int64_t image = pixel / o.plane, offset = pixel % o.plane;
@@ -436,7 +509,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
     }
   } else if (o.vector && !norm) {
     // Rows of whole 16-byte units copied as they are.
-    for (GridCursor at(o.channels / 8); at.row < Rows; at.advance()) {
+    for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel >= 0) {
@@ -444,7 +517,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       }
     }
   } else if (o.vector) {
-    for (GridCursor at(o.channels / 8); at.row < Rows; at.advance()) {
+    for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
@@ -460,7 +533,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = pack8<T>(v);
     }
   } else {
-    for (GridCursor at(o.channels); at.row < Rows; at.advance()) {
+    for (GridCursor at(o.channels); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;

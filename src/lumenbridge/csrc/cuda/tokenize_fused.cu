@@ -56,19 +56,19 @@ SharedLayout shared_layout(int rows, int k_padded, size_t scratch_bytes, int out
 }
 
 // The GEMM and the epilogue, once a block's A tile is complete.
-template <typename T, int Rows>
+template <typename T>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
                              RowInfo& rows) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
   if (s.pw.vector) {
-    gemm_tile<T, Rows, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+    gemm_tile<T, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
   } else {
-    gemm_tile<T, Rows, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+    gemm_tile<T, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
   }
   __syncthreads();
-  write_tile<T, Rows>(out_tile, out_stride, s.output, rows);
+  write_tile<T>(out_tile, out_stride, s.output, rows);
 }
 
 // Depthwise weights [C, 1, K, K] and bias into shared memory as float
@@ -83,17 +83,17 @@ template <typename T, int K>
 __device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
   constexpr int rows = K * K + 1;
   const int total = padded * rows;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kTapLoadsInFlight * kThreads) {
+  for (int i0 = threadIdx.x; i0 < total; i0 += kTapLoadsInFlight * blockDim.x) {
     T value[kTapLoadsInFlight];
 #pragma unroll
     for (int b = 0; b < kTapLoadsInFlight; ++b) {
-      const int i = i0 + b * kThreads;
+      const int i = i0 + b * blockDim.x;
       const int c = min(i / rows, channels - 1), tap = i % rows;
       value[b] = __ldg(tap < K * K ? weight + c * K * K + tap : bias + c);
     }
 #pragma unroll
     for (int b = 0; b < kTapLoadsInFlight; ++b) {
-      const int i = i0 + b * kThreads;
+      const int i = i0 + b * blockDim.x;
       const int c = i / rows, tap = i % rows;
       if (i < total) taps[tap * padded + c] = c < channels ? static_cast<float>(value[b]) : 0.0f;
     }
@@ -210,7 +210,7 @@ constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 // The stage kernel's depthwise step: each item is kPixelsPerItem<K> output
 // pixels' 8 channels, into A. Vector: NHWC rows of 16-byte-aligned multiples
 // of 8 channels, read 16 bytes at a time.
-template <typename T, int K, int Rows, bool Vector>
+template <typename T, int K, bool Vector>
 __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
                                 const float* taps, T* a_tile) {
   const StageGemm<T>& s = args.gemm;
@@ -218,7 +218,7 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
   const int groups = Kp / 8;
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
-  for (int item = threadIdx.x; item < (Rows / kPixelsPerItem<K>) * groups; item += kThreads) {
+  for (int item = threadIdx.x; item < (kTileRows / kPixelsPerItem<K>) * groups; item += blockDim.x) {
     const int r0 = (item / groups) * kPixelsPerItem<K>, c = (item % groups) * 8;
     float bias[8];
     load_floats8(taps + K * K * Kp + c, bias);
@@ -251,9 +251,11 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
   }
 }
 
-template <typename T, int K, int Rows>
-__global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArgs<T> args) {
-  static_assert(Rows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
+// Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
+// tiles whose shared memory leaves room for only one): 16 warps per SM either way.
+template <typename T, int K, int Threads>
+__global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_kernel(const StageArgs<T> args) {
+  static_assert(kTileRows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
@@ -261,9 +263,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   float* taps = reinterpret_cast<float*>(shared + args.layout.region_offset);
   const int Cin = s.pw.in_channels;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * Rows;
-  for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-    const int64_t pixel = r < Rows && first + r < args.pixels ? first + r : -1;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  for (int r = threadIdx.x; r < kTileRows; r += Threads) {
+    const int64_t pixel = first + r < args.pixels ? first + r : -1;
     rows.pixel[r] = pixel;
     const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
     const int64_t image = pixel < 0 ? 0 : pixel / plane;
@@ -276,12 +278,12 @@ __global__ void __launch_bounds__(kThreads, 2) fused_stage_kernel(const StageArg
   __syncthreads();
 
   if (args.vector_input) {
-    stage_depthwise<T, K, Rows, true>(args, rows, sources, taps, a_tile);
+    stage_depthwise<T, K, true>(args, rows, sources, taps, a_tile);
   } else {
-    stage_depthwise<T, K, Rows, false>(args, rows, sources, taps, a_tile);
+    stage_depthwise<T, K, false>(args, rows, sources, taps, a_tile);
   }
   __syncthreads();
-  finish_block<T, Rows>(shared, args.layout, s, rows);
+  finish_block<T>(shared, args.layout, s, rows);
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -436,21 +438,14 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
         const float2 bias = *reinterpret_cast<const float2*>(b1 + n);
         float acc[4] = {bias.x, bias.y, bias.x, bias.y};
         mma_1688<T>(acc, frag, *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2));
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = activate(acc[e], a.act1);
+        const uint32_t y0 = activate_pair<T>(acc[0], acc[1], a.act1);
+        const uint32_t y1 = activate_pair<T>(acc[2], acc[3], a.act1);
         if constexpr (decltype(whole)::value) {
-          *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = pack2<T>(v[0], v[1]);
-          *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = pack2<T>(v[2], v[3]);
+          *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = y0;
+          *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = y1;
         } else {
-          if (q0 < win1) {
-            *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) =
-                pack2<T>(keep0 ? v[0] : 0.0f, keep0 ? v[1] : 0.0f);
-          }
-          if (q1 < win1) {
-            *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) =
-                pack2<T>(keep1 ? v[2] : 0.0f, keep1 ? v[3] : 0.0f);
-          }
+          if (q0 < win1) *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = keep0 ? y0 : 0u;
+          if (q1 < win1) *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = keep1 ? y1 : 0u;
         }
       }
     };
@@ -573,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
   }
   __syncthreads();
-  finish_block<T, kTileRows>(shared, args.layout, s, rows);
+  finish_block<T>(shared, args.layout, s, rows);
 }
 
 // ---- host side -------------------------------------------------------------------
@@ -603,27 +598,31 @@ size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels
   return shared_layout(kTileRows, k_padded, g.scratch, out_channels, elem).total;
 }
 
-SharedLayout stage_layout(int rows, int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(rows, k_padded, taps_bytes(K, k_padded), out_channels, elem);
-}
-
-// Rows per stage-kernel block: 64, unless that leaves room for only one
-// block per SM (the last stage's full-width LayerNorm tile); then 32.
-int stage_rows(int K, int k_padded, int out_channels, size_t elem) {
-  const size_t two_blocks = kMaxSharedBytes / 2 - sizeof(RowSource) - 1024;
-  return stage_layout(kTileRows, K, k_padded, out_channels, elem).total <= two_blocks ? kTileRows : kTileRows / 2;
+SharedLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
+  return shared_layout(kTileRows, k_padded, taps_bytes(K, k_padded), out_channels, elem);
 }
 
 size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
-  const int rows = stage_rows(K, k_padded, out_channels, elem);
-  return stage_layout(rows, K, k_padded, out_channels, elem).total + sizeof(RowSource);
+  return stage_layout(K, k_padded, out_channels, elem).total + sizeof(RowSource);
+}
+
+// Threads per stage-kernel block: kThreads where two such blocks fit in an
+// SM's shared memory, else twice that in one block (the last stage's
+// full-width LayerNorm tile). Measured on the last stage of
+// lumenbridge-base (B = 256): 238 us with two 8-warp blocks of 32 rows,
+// 216 us with one 16-warp block of 64, which reads the pointwise weight
+// from L2 half as often.
+int stage_threads(int K, int k_padded, int out_channels, size_t elem) {
+  const size_t reserved = 1024;  // per block, by the runtime
+  return 2 * (stage_shared_bytes(K, k_padded, out_channels, elem) + reserved) <= kMaxSharedBytes ? kThreads
+                                                                                               : 2 * kThreads;
 }
 
 template <typename Kernel, typename Args>
-void launch(Kernel kernel, int64_t blocks, size_t shared_bytes, const Args& args) {
+void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args) {
   if (blocks == 0) return;
   allow_shared_bytes(kernel, shared_bytes);
-  kernel<<<grid_x(blocks), kThreads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(args);
+  kernel<<<grid_x(blocks), threads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -640,7 +639,7 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOu
   g.pw.out_channels = static_cast<int>(stage.out_channels);
   g.pw.vector = stage.in_channels % 8 == 0 && aligned16(g.pw.weight);
   g.k_padded = round_up(static_cast<int>(stage.in_channels), kChannelGroup);
-  g.act = activation_form(act);
+  g.act = activation_form<T>(act);
   g.output = output;
   return g;
 }
@@ -674,7 +673,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W0 = static_cast<int>(p.W);
   a.stride1 = static_cast<int>(s1.stride);
   a.stride2 = static_cast<int>(s2.stride);
-  a.act1 = activation_form(p.activation);
+  a.act1 = activation_form<T>(p.activation);
   for (int c = 0; c < kMaxImageChannels; ++c) {
     a.mean[c] = c < p.C ? static_cast<float>(p.mean[c]) : 0.0f;
     a.inv_std[c] = c < p.C ? static_cast<float>(1.0 / p.std[c]) : 1.0f;
@@ -703,7 +702,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.taps_offset = g.taps_offset;
   a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, a.layout.total, a);
+  launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, kThreads, a.layout.total, a);
 }
 
 template <typename T, int K>
@@ -720,12 +719,13 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.stride = static_cast<int>(stage.stride);
   a.pixels = p.N * stage.out_h * stage.out_w;
   a.vector_input = stage.in_channels % 8 == 0 && aligned16(a.input);
-  const int rows = stage_rows(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  a.layout = stage_layout(rows, K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  if (rows == kTileRows) {
-    launch(fused_stage_kernel<T, K, kTileRows>, ceil_div64(a.pixels, rows), a.layout.total, a);
+  a.layout = stage_layout(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  const int64_t blocks = ceil_div64(a.pixels, kTileRows);
+  const size_t shared_bytes = a.layout.total;
+  if (stage_threads(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T)) == kThreads) {
+    launch(fused_stage_kernel<T, K, kThreads>, blocks, kThreads, shared_bytes, a);
   } else {
-    launch(fused_stage_kernel<T, K, kTileRows / 2>, ceil_div64(a.pixels, rows), a.layout.total, a);
+    launch(fused_stage_kernel<T, K, 2 * kThreads>, blocks, 2 * kThreads, shared_bytes, a);
   }
 }
 

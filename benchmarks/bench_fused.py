@@ -15,8 +15,9 @@ of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
 Each row also records peak forward memory above the inputs
 (torch.cuda.max_memory_allocated). At B=256 bf16 224² it also times one
 training step (forward + backward of a fixed cotangent to every parameter)
-of LumenBridge (through the op, and layer by layer), of the eager plain
-module and of its max-autotune compile. Usage:
+of LumenBridge (through the op; through the op with float32 parameters
+under bf16 autocast, whose target is within 10% of the bf16 step; and layer
+by layer), of the eager plain module and of its max-autotune compile. Usage:
   python benchmarks/bench_fused.py --out DIR [--quick | --cases DTYPE:B:SIDE ...] [--providers NAME ...]
 --quick times only bf16 at B=1 and B=256 and fp32 at B=256 (for a tight device budget);
 --cases times the named cases, in that order (e.g. bf16:256:224 fp16:64:448);
@@ -29,6 +30,7 @@ case, so a run cut short keeps every case it finished.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -150,24 +152,33 @@ def training_step(fn, parameters: list[torch.Tensor], x: torch.Tensor, cotangent
 
 def training_rows(model: VisualTokenizer, batch: int, side: int, dtype_name: str, x: torch.Tensor) -> list[dict]:
     """Training-step time and peak memory (forward + backward) of LumenBridge
-    (through the op, and layer by layer through the native per-layer kernels,
-    the path the training default could take), the eager plain module and its
-    max-autotune compile, same weights, float input."""
+    (through the op; through the op with float32 parameters under autocast to
+    the row's dtype, as mixed-precision training runs it; and layer by layer
+    through the native per-layer kernels, the path the training default could
+    take), the eager plain module and its max-autotune compile, same weights,
+    float input."""
     model.train()
     plain = PlainTokenizer(model)
     parameters = [p for p in model.parameters() if p.requires_grad]
+    master = copy.deepcopy(model).float()
     cotangent = torch.randn_like(model(x))
+
+    def autocast_forward(images: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=x.dtype):
+            return master(images)
+
     rows = []
     torch.compiler.reset()
     compiled = torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False)
     steps = (
-        ("lumenbridge train", model),
-        ("lumenbridge layers train", lambda images: model.forward_layers(images, "native")),
-        ("eager train", plain),
-        ("compile-ma train", compiled),
+        ("lumenbridge train", model, parameters),
+        ("lumenbridge autocast train", autocast_forward, list(master.parameters())),
+        ("lumenbridge layers train", lambda images: model.forward_layers(images, "native"), parameters),
+        ("eager train", plain, parameters),
+        ("compile-ma train", compiled, parameters),
     )
-    for name, fn in steps:
-        step = training_step(fn, parameters, x, cotangent)
+    for name, fn, trained in steps:
+        step = training_step(fn, trained, x, cotangent)
         ms = median_ms(step, warmup=5, repeats=20)
         rows.append(
             {

@@ -121,9 +121,9 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
 //         off): max error 2.7e-5 before rounding; at v^2 = 25 p is still
 //         positive and tanh is 1;
 //   silu  v sigmoid(v) = v/2 (1 + tanh(v/2)): p = 1/2;
-//   relu  p = the largest finite T, so tanh is -1 or 1 (exactly for
-//         |v| > 5 / p: everywhere in bfloat16; in float16 values under
-//         7e-5 are scaled by 1/2 to 1, an error under 4e-5);
+//   relu  p = the largest finite T, so tanh rounds to -1 or 1 for
+//         |v| > 5 / p (1.5e-38 in bfloat16, 7.6e-5 in float16); smaller
+//         values are off by at most half themselves;
 //   none  p = 0, q = the largest finite T: tanh(q) = 1 and the form is exactly v.
 // It runs on pairs of T in packed instructions (fma/mul/min .bf16x2 or
 // .f16x2 and one hardware tanh for both values): about 4.5 instructions a

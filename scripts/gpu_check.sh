@@ -4,7 +4,12 @@
 # compute-sanitizer's four tools on every kernel variant, run the depthwise
 # and whole-tokenizer benchmarks, and print a short summary last. Logs go to
 # $OUT (default: gpu_check_out/).
-#   bash scripts/gpu_check.sh [PARTS...]   PARTS: tests sanitize bench (default: all three)
+#   bash scripts/gpu_check.sh [PARTS...]   PARTS: tests sanitize bench (default: all
+#   three), and probe (on request only): racecheck on scripts/racecheck_probe.cu,
+#   which hands a shared buffer between warp roles in four ways, to tell which
+#   hand-overs the tool understands before a warp-specialized kernel relies on one
+#   (a variant's step fails with rc 9 where racecheck reports hazards, rc 1
+#   where its sums are wrong)
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_PARTS picks
 #   sanitize_kernels.py's parts (default: depthwise fused backward), and
 #   RACECHECK_PARTS those of the slow racecheck (default: the same); BENCHES
@@ -61,6 +66,13 @@ if [[ $parts == *" sanitize "* ]]; then
   # shellcheck disable=SC2086
   [ -n "${initcheck_parts// /}" ] && step sanitizer-initcheck compute-sanitizer --tool initcheck --error-exitcode 9 \
     python3 scripts/sanitize_kernels.py --parts $initcheck_parts
+fi
+if [[ $parts == *" probe "* ]]; then
+  step probe-build nvcc -arch=sm_90 -O2 -o "$OUT/racecheck_probe" scripts/racecheck_probe.cu
+  for variant in syncthreads named arrive mbarrier; do
+    step "probe-$variant" compute-sanitizer --tool racecheck --error-exitcode 9 "$OUT/racecheck_probe" "$variant"
+  done
+  rm -f "$OUT/racecheck_probe"
 fi
 if [[ $parts == *" bench "* ]]; then
   benches=" ${BENCHES:-depthwise tokenizer fused} "

@@ -24,10 +24,10 @@ exit "${{RC_{name}:-0}}"
 """
 
 
-def run_script(tmp_path: Path, **exit_codes: str) -> subprocess.CompletedProcess:
+def run_script(tmp_path: Path, *parts: str, **exit_codes: str) -> subprocess.CompletedProcess:
     stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for program in ("python3", "nvidia-smi", "compute-sanitizer"):
+    stubs.mkdir(parents=True)
+    for program in ("python3", "nvidia-smi", "compute-sanitizer", "nvcc"):
         (stubs / program).write_text(STUB.format(name=program.replace("-", "_").upper()))
         (stubs / program).chmod(0o755)
     if exit_codes.pop("no_sanitizer", None):
@@ -38,7 +38,9 @@ def run_script(tmp_path: Path, **exit_codes: str) -> subprocess.CompletedProcess
         "PATH": f"{stubs}{os.pathsep}/usr/bin{os.pathsep}/bin",
         "OUT": str(tmp_path / "out"),
     }
-    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *parts], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -61,6 +63,17 @@ def test_any_failing_step_exits_non_zero_after_running_the_rest(tmp_path, failur
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "FAILED" in summary
     assert "tokenizer-benchmark" in summary  # the last step still ran
+
+
+def test_the_racecheck_probe_runs_only_on_request_and_reports_each_variant(tmp_path):
+    default = run_script(tmp_path / "default")
+    assert "probe" not in (tmp_path / "default" / "out" / "summary.txt").read_text(), default.stdout
+    run = run_script(tmp_path / "probe", "probe", RC_COMPUTE_SANITIZER="9")
+    assert run.returncode != 0
+    summary = (tmp_path / "probe" / "out" / "summary.txt").read_text().splitlines()
+    probe_rows = [line.split()[0] for line in summary if line.startswith("probe-")]
+    assert probe_rows == ["probe-build", "probe-syncthreads", "probe-named", "probe-arrive", "probe-mbarrier"]
+    assert all("FAILED rc=9" in line for line in summary if line.startswith("probe-") and "build" not in line)
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")

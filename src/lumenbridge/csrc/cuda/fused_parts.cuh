@@ -23,7 +23,7 @@ namespace fused {
 
 constexpr int kWarps = 8;                   // of a first-kernel block; stage blocks have 8 or 16
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M), at most
+constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M)
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
 constexpr int kMaxSharedBytes = 227 * 1024; // per block on sm_90
@@ -329,7 +329,7 @@ struct PointwiseWeight {
 
 // k-groups of B fragments a warp keeps in flight ahead of the one it
 // multiplies: B comes from L2, whose latency is several times one k-group's
-// mma work. Fewer with 64 rows, whose accumulators take twice the registers.
+// mma work; the 64 rows' accumulators leave registers for no more.
 constexpr int kBDepth = 2;
 
 // out_tile[row][n] = act(A[row] . weight[n] + bias[n]) in T for the block's

@@ -327,8 +327,9 @@ def plot(result: dict, path: Path) -> None:
             for r in rows
             if r["provider"] == name and (r["batch"], r["side"]) == case
         ]
-        style = "--" if name.startswith("floor") else "-o"
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=name)
+        # Floors as dashed lines with a bar at each case, so a run of one case shows them too.
+        style = {"linestyle": "--", "marker": "_", "markersize": 24} if name.startswith("floor") else {"marker": "o"}
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
     ax.set_xticks(range(len(cases)), [f"B={b}, {s}²" for b, s in cases])
     ax.set_yscale("log")
     ax.set_ylabel("forward ms (bf16, float input)")

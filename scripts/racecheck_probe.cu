@@ -44,7 +44,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-__device__ float value(int round, int i) { return static_cast<float>((round * 131 + i * 7) % 97); }
+// What producers write to element i in round `round`; the host sums the same values.
+__host__ __device__ float value(int round, int i) { return static_cast<float>((round * 131 + i * 7) % 97); }
 
 enum Variant { SYNCTHREADS, NAMED, ARRIVE, MBARRIER };
 
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
   }
   float expected[kHalf] = {};
   for (int r = 0; r < kRounds; ++r) {
-    for (int i = 0; i < kElems; ++i) expected[i % kHalf] += static_cast<float>((r * 131 + i * 7) % 97);
+    for (int i = 0; i < kElems; ++i) expected[i % kHalf] += value(r, i);
   }
   float* sums;
   cudaMalloc(&sums, sizeof(float) * kHalf);

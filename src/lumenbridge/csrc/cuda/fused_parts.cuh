@@ -36,15 +36,17 @@ __host__ __device__ constexpr int padded_stride(int cols) {
 __host__ __device__ constexpr int round_up(int v, int m) { return (v + m - 1) / m * m; }
 __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// A thread's items threadIdx.x, + blockDim.x, + 2 blockDim.x, ... of a grid
-// with `columns` items per row, as (row, column): one division per thread,
-// not two per item (a division by a runtime value is about 20 instructions).
+// A thread's items threadIdx.x, + blockDim.x, + 2 blockDim.x, ... (or a
+// warp's items first, + step, ...) of a grid with `columns` items per row,
+// as (row, column): one division per thread, not two per item (a division
+// by a runtime value is about 20 instructions).
 struct GridCursor {
   int row, column;
   const int columns, row_step, column_step;
-  __device__ explicit GridCursor(int columns)
-      : row(threadIdx.x / columns), column(threadIdx.x % columns), columns(columns),
-        row_step(blockDim.x / columns), column_step(blockDim.x % columns) {}
+  __device__ GridCursor(int columns, int first, int step)
+      : row(first / columns), column(first % columns), columns(columns), row_step(step / columns),
+        column_step(step % columns) {}
+  __device__ explicit GridCursor(int columns) : GridCursor(columns, threadIdx.x, blockDim.x) {}
   __device__ __forceinline__ void advance() {
     row += row_step;
     column += column_step;

@@ -407,52 +407,58 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // Stage-1 outputs over the window, all Kp channels: the pointwise step on
 // the tensor cores (one m16n8k8 per 16 positions and 8 channels), bias,
 // activation, and zero outside the stage-1 extent (stage 2's padding). Warps
-// take (16 positions, 32 channels) items.
+// take (16 positions, 32 channels) items. An item reads all its operands,
+// then runs its four mma, then its eight activations, then stores: the
+// compiler cannot move a shared read above a shared store (it cannot tell
+// the buffers apart), so reads between the stores would make each 8-channel
+// step wait for the one before (ncu: "wait" was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
                                  T* s1, int Kp) {
+  constexpr int kSteps = kChannelGroup / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
   const int win1 = a.win1_h * a.win1_w;
   const int chunks = Kp / kChannelGroup;
-  // The item's coordinates advance with it (kWarps items a step), so no
-  // integer division runs per item.
-  int block16 = warp / chunks, chunk = warp % chunks;
-  for (int item = warp; item < ceil_div(win1, 16) * chunks; item += kWarps) {
-    const int q0 = block16 * 16 + group, q1 = q0 + 8;
-    const int n0 = chunk * kChannelGroup;
-    chunk += kWarps;
-    while (chunk >= chunks) {
-      chunk -= chunks;
-      ++block16;
-    }
+  for (GridCursor at(chunks, warp, kWarps); at.row < ceil_div(win1, 16); at.advance()) {
+    const int q0 = at.row * 16 + group, q1 = q0 + 8;
+    const int n0 = at.column * kChannelGroup;
     const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
                               *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
     const bool keep0 = inside[q0], keep1 = inside[q1];
+    float acc[kSteps][4];
+    uint32_t weight[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const float2 bias = *reinterpret_cast<const float2*>(b1 + n0 + j * 8 + quad * 2);
+      acc[j][0] = acc[j][2] = bias.x;
+      acc[j][1] = acc[j][3] = bias.y;
+      weight[j] = *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2);
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) mma_1688<T>(acc[j], frag, weight[j]);
+    uint32_t y[kSteps][2];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      y[j][0] = activate_pair<T>(acc[j][0], acc[j][1], a.act1);
+      y[j][1] = activate_pair<T>(acc[j][2], acc[j][3], a.act1);
+    }
+    T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
+    T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
     // Most items lie wholly inside the stage-1 extent and the window: those
     // store without a select or a bounds test per value (a warp-uniform branch).
-    auto store_item = [&](auto whole) {
-#pragma unroll
-      for (int j = 0; j < kChannelGroup / 8; ++j) {
-        const int n = n0 + j * 8 + quad * 2;
-        const float2 bias = *reinterpret_cast<const float2*>(b1 + n);
-        float acc[4] = {bias.x, bias.y, bias.x, bias.y};
-        mma_1688<T>(acc, frag, *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2));
-        const uint32_t y0 = activate_pair<T>(acc[0], acc[1], a.act1);
-        const uint32_t y1 = activate_pair<T>(acc[2], acc[3], a.act1);
-        if constexpr (decltype(whole)::value) {
-          *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = y0;
-          *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = y1;
-        } else {
-          if (q0 < win1) *reinterpret_cast<uint32_t*>(s1 + q0 * a.s1_stride + n) = keep0 ? y0 : 0u;
-          if (q1 < win1) *reinterpret_cast<uint32_t*>(s1 + q1 * a.s1_stride + n) = keep1 ? y1 : 0u;
-        }
-      }
-    };
     if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
-      store_item(std::true_type{});
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        *reinterpret_cast<uint32_t*>(row0 + j * 8) = y[j][0];
+        *reinterpret_cast<uint32_t*>(row1 + j * 8) = y[j][1];
+      }
     } else {
-      store_item(std::false_type{});
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        if (q0 < win1) *reinterpret_cast<uint32_t*>(row0 + j * 8) = keep0 ? y[j][0] : 0u;
+        if (q1 < win1) *reinterpret_cast<uint32_t*>(row1 + j * 8) = keep1 ? y[j][1] : 0u;
+      }
     }
   }
 }
@@ -533,11 +539,12 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
 
-  int64_t tile = blockIdx.x;
-  const int tx = static_cast<int>(tile % args.tiles_x) * kTile;
-  tile /= args.tiles_x;
-  const int ty = static_cast<int>(tile % args.tiles_y) * kTile;
-  const int64_t n = tile / args.tiles_y;
+  // 32-bit: the launch checks that the grid has fewer than 2^31 blocks, and
+  // a 64-bit division is several times the instructions.
+  const int tile = static_cast<int>(blockIdx.x);
+  const int tx = tile % args.tiles_x * kTile;
+  const int ty = tile / args.tiles_x % args.tiles_y * kTile;
+  const int64_t n = tile / args.tiles_x / args.tiles_y;
   constexpr int pad = K / 2;
   const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
   const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;

@@ -1,9 +1,10 @@
 // lumenbridge::tokenize on CUDA: the whole tokenizer in S - 1 launches for S
 // stages, bf16 or fp16, intermediates in NHWC.
 //
-//   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output.
-//                  Stage 2's 8 x 8 output tiles compute the stage-1 outputs they
-//                  need (halo included) straight from the image window, so the
+//   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output,
+//                  one wave of persistent blocks. Stage 2's 8 x 8 output tiles
+//                  compute the stage-1 outputs they need (halo included)
+//                  straight from the image window, so the
 //                  stage-1 activation never reaches device memory: the stage-1
 //                  depthwise in float on CUDA cores, its pointwise step (K = the
 //                  image channels) on the tensor cores as m16n8k8, all stage-1
@@ -46,13 +47,23 @@ struct SharedLayout {
   size_t a_offset, region_offset, total;
 };
 
-SharedLayout shared_layout(int rows, int k_padded, size_t scratch_bytes, int out_channels, size_t elem) {
+// Bytes of a block's output tile, which starts the region.
+size_t out_tile_bytes(int out_channels, size_t elem) {
+  return kTileRows * padded_stride(round_up(out_channels, 8)) * elem;
+}
+
+SharedLayout shared_layout(int k_padded, size_t scratch_bytes, int out_channels, size_t elem) {
   SharedLayout l;
   l.a_offset = align16(sizeof(RowInfo));
-  l.region_offset = l.a_offset + align16(rows * padded_stride(k_padded) * elem);
-  const size_t out_bytes = rows * padded_stride(round_up(out_channels, 8)) * elem;
-  l.total = l.region_offset + align16(std::max(scratch_bytes, out_bytes));
+  l.region_offset = l.a_offset + align16(kTileRows * padded_stride(k_padded) * elem);
+  l.total = l.region_offset + align16(std::max(scratch_bytes, out_tile_bytes(out_channels, elem)));
   return l;
+}
+
+// Whether two blocks of `shared_bytes` fit in one SM's shared memory.
+bool two_blocks_fit(size_t shared_bytes) {
+  const size_t reserved = 1024;  // per block, by the runtime
+  return 2 * (shared_bytes + reserved) <= kMaxSharedBytes;
 }
 
 // The GEMM and the epilogue, once a block's A tile is complete.
@@ -71,33 +82,43 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   write_tile<T>(out_tile, out_stride, s.output, rows);
 }
 
+// Copies `total` elements of a small tensor (weights, taps) into shared
+// memory: element i is load(i) (an in-bounds address, so no load waits
+// behind a test), stored by store(i, value). A thread issues
+// kLoadsInFlight loads before it stores any, so the block waits a few round
+// trips to L2, not one per element.
+constexpr int kLoadsInFlight = 4;
+
+template <typename Load, typename Store>
+__device__ __forceinline__ void copy_small(int total, Load load, Store store) {
+  for (int i0 = threadIdx.x; i0 < total; i0 += kLoadsInFlight * blockDim.x) {
+    decltype(load(0)) value[kLoadsInFlight];
+#pragma unroll
+    for (int b = 0; b < kLoadsInFlight; ++b) value[b] = load(min(i0 + b * static_cast<int>(blockDim.x), total - 1));
+#pragma unroll
+    for (int b = 0; b < kLoadsInFlight; ++b) {
+      const int i = i0 + b * blockDim.x;
+      if (i < total) store(i, value[b]);
+    }
+  }
+}
+
 // Depthwise weights [C, 1, K, K] and bias into shared memory as float
 // [K * K + 1][Cp], the bias last, so a thread's 8 channels of one tap are two
-// 16-byte reads with no conversion; zeros past C. A thread issues
-// kTapLoadsInFlight loads before it stores any (each address clamped into its
-// tensor, so no load waits behind a test): the block waits a few round trips
-// to L2, not one per element.
-constexpr int kTapLoadsInFlight = 4;
-
+// 16-byte reads with no conversion; zeros past C.
 template <typename T, int K>
 __device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
   constexpr int rows = K * K + 1;
-  const int total = padded * rows;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kTapLoadsInFlight * blockDim.x) {
-    T value[kTapLoadsInFlight];
-#pragma unroll
-    for (int b = 0; b < kTapLoadsInFlight; ++b) {
-      const int i = i0 + b * blockDim.x;
-      const int c = min(i / rows, channels - 1), tap = i % rows;
-      value[b] = __ldg(tap < K * K ? weight + c * K * K + tap : bias + c);
-    }
-#pragma unroll
-    for (int b = 0; b < kTapLoadsInFlight; ++b) {
-      const int i = i0 + b * blockDim.x;
-      const int c = i / rows, tap = i % rows;
-      if (i < total) taps[tap * padded + c] = c < channels ? static_cast<float>(value[b]) : 0.0f;
-    }
-  }
+  copy_small(
+      padded * rows,
+      [&](int i) {
+        const int c = min(i / rows, channels - 1), tap = i % rows;
+        return __ldg(tap < K * K ? weight + c * K * K + tap : bias + c);
+      },
+      [&](int i, T value) {
+        const int c = i / rows, tap = i % rows;
+        taps[tap * padded + c] = c < channels ? static_cast<float>(value) : 0.0f;
+      });
 }
 
 __device__ __forceinline__ void load_floats8(const float* p, float (&v)[8]) {
@@ -302,11 +323,13 @@ struct FirstArgs {
   const T* pw1_weight;  // [C1, C0]
   const T* pw1_bias;
   int C1, H1, W1;       // stage-1 outputs
-  int H2, W2, tiles_y, tiles_x;
+  int H2, W2, tiles_y, tiles_x, tiles;
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win1_w, win0_h, win0_w;
   int s1_stride;
-  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset;  // within the region
+  // Within the region: the per-tile buffers, then (past the output tile's
+  // reach) the weights and taps every tile of a block uses.
+  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset;
   SharedLayout layout;
 };
 
@@ -361,11 +384,12 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
 // channels past C0 and output channels past C1 zero), then its bias in float.
 template <typename T>
 __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
-  for (int i = threadIdx.x; i < Kp * 8; i += kThreads) {
-    const int n = i / 8, k = i % 8;
-    w1[i] = n < a.C1 && k < a.C0 ? a.pw1_weight[n * a.C0 + k] : T(0.0f);
-  }
-  for (int n = threadIdx.x; n < Kp; n += kThreads) b1[n] = n < a.C1 ? static_cast<float>(a.pw1_bias[n]) : 0.0f;
+  copy_small(
+      Kp * 8, [&](int i) { return __ldg(a.pw1_weight + min(i / 8, a.C1 - 1) * a.C0 + min(i % 8, a.C0 - 1)); },
+      [&](int i, T value) { w1[i] = i / 8 < a.C1 && i % 8 < a.C0 ? value : T(0.0f); });
+  copy_small(
+      Kp, [&](int n) { return __ldg(a.pw1_bias + min(n, a.C1 - 1)); },
+      [&](int n, T value) { b1[n] = n < a.C1 ? static_cast<float>(value) : 0.0f; });
 }
 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
@@ -520,6 +544,9 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const float
   }
 }
 
+// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; the weights
+// and taps every tile uses are loaded once per block, not once per tile
+// (ncu: their loads were a sixth of the load phase's stall samples).
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -531,61 +558,64 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int padded_rows = round_up(args.win1_h * args.win1_w, 16);
   T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
+  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
   T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the float bias
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
-  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
   float* taps = reinterpret_cast<float*>(region + args.taps_offset);    // [K * K + 1][Kp]
   float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
-
-  // 32-bit: the launch checks that the grid has fewer than 2^31 blocks, and
-  // a 64-bit division is several times the instructions.
-  const int tile = static_cast<int>(blockIdx.x);
-  const int tx = tile % args.tiles_x * kTile;
-  const int ty = tile / args.tiles_x % args.tiles_y * kTile;
-  const int64_t n = tile / args.tiles_x / args.tiles_y;
   constexpr int pad = K / 2;
-  const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
-  const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;
 
-  for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
-    const int y = ty + r / kTile, x = tx + r % kTile;
-    rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
-  }
-  if (args.uint8_input) {
-    load_image_window<uint8_t, T, K>(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin, image);
-  } else {
-    load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
-  }
   load_stage1_weight(args, Kp, w1, b1);
   load_depthwise_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
-  __syncthreads();
+  for (int tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
+    const int tx = tile % args.tiles_x * kTile;
+    const int ty = tile / args.tiles_x % args.tiles_y * kTile;
+    const int64_t n = tile / args.tiles_x / args.tiles_y;
+    const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
+    const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;
 
-  stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, y1_origin, x1_origin);
-  __syncthreads();
+    for (int r = threadIdx.x; r < kTileRows; r += kThreads) {
+      const int y = ty + r / kTile, x = tx + r % kTile;
+      rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
+    }
+    if (args.uint8_input) {
+      load_image_window<uint8_t, T, K>(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin,
+                                       image);
+    } else {
+      load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
+    }
+    __syncthreads();
 
-  stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
-  __syncthreads();
+    stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, y1_origin, x1_origin);
+    __syncthreads();
 
-  if (args.stride2 == 2) {
-    stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp);
-  } else {
-    stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
+    stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
+    __syncthreads();
+
+    if (args.stride2 == 2) {
+      stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp);
+    } else {
+      stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
+    }
+    __syncthreads();
+    finish_block<T>(shared, args.layout, s, rows);
+    // The next tile's rows and image window overwrite the row table and the output tile.
+    __syncthreads();
   }
-  __syncthreads();
-  finish_block<T>(shared, args.layout, s, rows);
 }
 
 // ---- host side -------------------------------------------------------------------
 
 struct FirstGeometry {
   int win1_h, win1_w, win0_h, win0_w, s1_stride;
-  size_t image_offset, d1_offset, w1_offset, s1_offset, taps_offset, taps1_offset, scratch;
+  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, scratch;
 };
 
-FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, size_t elem) {
+FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels,
+                             size_t elem) {
   FirstGeometry g;
   g.win1_h = g.win1_w = (kTile - 1) * stride2 + K;
   g.win0_h = g.win0_w = (g.win1_h - 1) * stride1 + K;
@@ -593,20 +623,21 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   const int win1 = g.win1_h * g.win1_w;
   g.image_offset = 0;
   g.d1_offset = align16(sizeof(float) * C0 * g.win0_h * g.win0_w);
-  g.w1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
-  g.s1_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
-  g.taps_offset = g.s1_offset + align16(elem * win1 * g.s1_stride);
+  g.s1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
+  g.w1_offset =
+      std::max(g.s1_offset + align16(elem * win1 * g.s1_stride), align16(out_tile_bytes(out_channels, elem)));
+  g.taps_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
   g.taps1_offset = g.taps_offset + align16(taps_bytes(K, k_padded));
   g.scratch = g.taps1_offset + align16(taps_bytes(K, kMaxImageChannels));
   return g;
 }
 
 size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(kTileRows, k_padded, g.scratch, out_channels, elem).total;
+  return shared_layout(k_padded, g.scratch, out_channels, elem).total;
 }
 
 SharedLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(kTileRows, k_padded, taps_bytes(K, k_padded), out_channels, elem);
+  return shared_layout(k_padded, taps_bytes(K, k_padded), out_channels, elem);
 }
 
 size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
@@ -620,9 +651,7 @@ size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
 // 216 us with one 16-warp block of 64, which reads the pointwise weight
 // from L2 half as often.
 int stage_threads(int K, int k_padded, int out_channels, size_t elem) {
-  const size_t reserved = 1024;  // per block, by the runtime
-  return 2 * (stage_shared_bytes(K, k_padded, out_channels, elem) + reserved) <= kMaxSharedBytes ? kThreads
-                                                                                               : 2 * kThreads;
+  return two_blocks_fit(stage_shared_bytes(K, k_padded, out_channels, elem)) ? kThreads : 2 * kThreads;
 }
 
 template <typename Kernel, typename Args>
@@ -696,7 +725,10 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W2 = static_cast<int>(s2.out_w);
   a.tiles_y = ceil_div(a.H2, kTile);
   a.tiles_x = ceil_div(a.W2, kTile);
-  const FirstGeometry g = first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, sizeof(T));
+  const int64_t tiles = p.N * a.tiles_y * a.tiles_x;
+  a.tiles = static_cast<int>(grid_x(tiles));  // tile indices are ints
+  const FirstGeometry g =
+      first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
   a.win1_h = g.win1_h;
   a.win1_w = g.win1_w;
   a.win0_h = g.win0_h;
@@ -708,8 +740,12 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.s1_offset = g.s1_offset;
   a.taps_offset = g.taps_offset;
   a.taps1_offset = g.taps1_offset;
-  a.layout = shared_layout(kTileRows, a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  launch(fused_first_kernel<T, K>, p.N * a.tiles_y * a.tiles_x, kThreads, a.layout.total, a);
+  a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
+  // One wave of persistent blocks: two per SM (the launch bounds) where their shared memory fits.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  const int64_t resident = (two_blocks_fit(a.layout.total) ? 2 : 1) * int64_t{sms};
+  launch(fused_first_kernel<T, K>, std::min(tiles, resident), kThreads, a.layout.total, a);
 }
 
 template <typename T, int K>
@@ -778,7 +814,7 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
     const int out_channels = static_cast<int>(widths[i]);
     const size_t bytes =
         i == 1 ? first_shared_bytes(first_geometry(static_cast<int>(in_channels), K, static_cast<int>(strides[0]),
-                                                   static_cast<int>(strides[1]), k_padded, elem),
+                                                   static_cast<int>(strides[1]), k_padded, out_channels, elem),
                                     k_padded, out_channels, elem)
                : stage_shared_bytes(K, k_padded, out_channels, elem);
     if (bytes > static_cast<size_t>(kMaxSharedBytes)) {

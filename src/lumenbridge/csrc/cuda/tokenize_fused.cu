@@ -4,11 +4,11 @@
 //   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output,
 //                  one wave of persistent blocks. Stage 2's 8 x 8 output tiles
 //                  compute the stage-1 outputs they need (halo included)
-//                  straight from the image window, so the
-//                  stage-1 activation never reaches device memory: the stage-1
-//                  depthwise in float on CUDA cores, its pointwise step (K = the
-//                  image channels) on the tensor cores as m16n8k8, all stage-1
-//                  channels at once into shared memory.
+//                  straight from the image window, so the stage-1 activation
+//                  never reaches device memory: the stage-1 depthwise in float
+//                  on CUDA cores, its pointwise step (K = the image channels)
+//                  on the tensor cores as m16n8k8, all stage-1 channels at once
+//                  into shared memory.
 //   stage kernel   stage i output -> stage i + 1 output, one per later stage;
 //                  blocks take 64 consecutive output pixels, so no tile is
 //                  partly empty at 28 x 28 or 14 x 14.

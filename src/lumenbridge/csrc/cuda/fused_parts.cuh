@@ -287,6 +287,62 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
   }
 }
 
+// ---- depthwise taps on the tensor cores ---------------------------------------
+//
+// A depthwise tap scales each channel by its own weight: as a matrix product,
+// a diagonal B. One m16n8k8 mma with a diagonal B applies a tap to 16 pixels x
+// 8 channels in float (one nonzero product per output, each exact, summed in
+// float), where the CUDA cores spend an unpack and an FMA per value. Lane
+// (group g, quad q) of a warp holds pixels g and g + 8 of the warp's 16 and
+// channels 8q .. 8q + 7 of its 32, each pixel's as one 16-byte load, so a
+// lane's loads, taps and results are whole 16-byte units. Step t (0..3) of a
+// tap multiplies word t of each pixel (channels 8q + 2t, 8q + 2t + 1): a
+// lane's A and D elements are then the same channels, and its B element
+// (rows 2q, 2q + 1, column g) is word t of the tap's 16 bytes for those
+// channels, kept only where the diagonal crosses it (g = 2q: the low half,
+// g = 2q + 1: the high half). Zeros multiply the other channels, so a
+// non-finite input turns 7 other channels of its pixel into NaN.
+
+// The lane's B mask (see above).
+__device__ __forceinline__ uint32_t diagonal_mask() {
+  const int group = threadIdx.x % 32 / 4, quad = threadIdx.x % 4;
+  return group / 2 != quad ? 0u : group % 2 ? 0xffff0000u : 0x0000ffffu;
+}
+
+// d[t] = {pixel 0's channels 2t, 2t + 1, pixel 1's} of the lane's 8, starting at bias.
+__device__ __forceinline__ void diagonal_start(float (&d)[4][4], const float (&bias)[8]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    d[t][0] = d[t][2] = bias[2 * t];
+    d[t][1] = d[t][3] = bias[2 * t + 1];
+  }
+}
+
+// d += tap x (pixel 0, pixel 1), each the lane's 8 channels in T.
+template <typename T>
+__device__ __forceinline__ void diagonal_tap(float (&d)[4][4], const uint4& pixel0, const uint4& pixel1,
+                                             const uint4& tap, uint32_t mask) {
+  const uint32_t p0[4] = {pixel0.x, pixel0.y, pixel0.z, pixel0.w};
+  const uint32_t p1[4] = {pixel1.x, pixel1.y, pixel1.z, pixel1.w};
+  const uint32_t w[4] = {tap.x, tap.y, tap.z, tap.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t a[2] = {p0[t], p1[t]};
+    mma_1688<T>(d[t], a, w[t] & mask);
+  }
+}
+
+// The lane's two pixels' 8 channels, in channel order.
+__device__ __forceinline__ void diagonal_result(const float (&d)[4][4], float (&pixel0)[8], float (&pixel1)[8]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    pixel0[2 * t] = d[t][0];
+    pixel0[2 * t + 1] = d[t][1];
+    pixel1[2 * t] = d[t][2];
+    pixel1[2 * t + 1] = d[t][3];
+  }
+}
+
 // 16 bytes of global memory (read-only for the kernel's lifetime) if `pred`,
 // else zeros: one predicated load, so a test of the address never becomes a
 // branch around the load (which costs a reconvergence point per load and

@@ -14,8 +14,9 @@
 //                  partly empty at 28 x 28 or 14 x 14.
 // Either kernel's last instance writes the tokens: bias, token LayerNorm and
 // the requested layout in its epilogue. Every kernel computes its depthwise
-// tile into shared memory and multiplies it on the tensor cores
-// (fused_parts.cuh); nothing but stage outputs leaves the SM.
+// tile into shared memory (after stage 1 on the tensor cores, as diagonal
+// mma) and multiplies it on the tensor cores (fused_parts.cuh); nothing but
+// stage outputs leaves the SM.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "depthwise_forward.cuh"
@@ -103,11 +104,11 @@ __device__ __forceinline__ void copy_small(int total, Load load, Store store) {
   }
 }
 
-// Depthwise weights [C, 1, K, K] and bias into shared memory as float
-// [K * K + 1][Cp], the bias last, so a thread's 8 channels of one tap are two
-// 16-byte reads with no conversion; zeros past C.
-template <typename T, int K>
-__device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
+// Depthwise weights [C, 1, K, K] and bias, element by element: store(tap, c,
+// value) for every tap (K * K is the bias) and every channel c < padded,
+// with zero past C.
+template <typename T, int K, typename Store>
+__device__ void load_depthwise(const T* weight, const T* bias, int channels, int padded, Store store) {
   constexpr int rows = K * K + 1;
   copy_small(
       padded * rows,
@@ -117,27 +118,52 @@ __device__ void load_depthwise_taps(float* taps, const T* weight, const T* bias,
       },
       [&](int i, T value) {
         const int c = i / rows, tap = i % rows;
-        taps[tap * padded + c] = c < channels ? static_cast<float>(value) : 0.0f;
+        store(tap, c, c < channels ? value : T(0.0f));
       });
+}
+
+// The stage-1 taps as float [K * K + 1][Cp], the bias last, for its
+// depthwise on the CUDA cores (a few image channels).
+template <typename T, int K>
+__device__ void load_float_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
+  load_depthwise<T, K>(weight, bias, channels, padded,
+                       [&](int tap, int c, T value) { taps[tap * padded + c] = static_cast<float>(value); });
+}
+
+// Later stages' taps as T [K * K][Kp] (a tap's 8 channels are one 16-byte
+// read: a diagonal mma's B) and the bias as float [Kp] after them.
+__host__ __device__ constexpr size_t tap_matrix_bytes(int K, int k_padded, size_t elem) {
+  return align16(elem * K * K * k_padded);
+}
+__host__ __device__ constexpr size_t taps_with_bias_bytes(int K, int k_padded, size_t elem) {
+  return tap_matrix_bytes(K, k_padded, elem) + sizeof(float) * k_padded;
+}
+__host__ __device__ constexpr size_t float_taps_bytes(int K, int channels) {
+  return sizeof(float) * (K * K + 1) * channels;
+}
+
+// Where the bias follows the taps (const or not, as the taps are).
+template <int K, typename T>
+__device__ __forceinline__ auto tap_bias(T* taps, int k_padded) {
+  using Float = std::conditional_t<std::is_const_v<T>, const float, float>;
+  return reinterpret_cast<Float*>(taps + tap_matrix_bytes(K, k_padded, sizeof(T)) / sizeof(T));
+}
+
+template <typename T, int K>
+__device__ void load_tap_matrix(T* taps, const T* weight, const T* bias, int channels, int padded) {
+  float* bias_out = tap_bias<K>(taps, padded);
+  load_depthwise<T, K>(weight, bias, channels, padded, [&](int tap, int c, T value) {
+    if (tap < K * K) {
+      taps[tap * padded + c] = value;
+    } else {
+      bias_out[c] = static_cast<float>(value);
+    }
+  });
 }
 
 __device__ __forceinline__ void load_floats8(const float* p, float (&v)[8]) {
   const float4 lo = *reinterpret_cast<const float4*>(p), hi = *reinterpret_cast<const float4*>(p + 4);
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-}
-
-// The same as two forced 16-byte loads, for the first kernel's stage-2 loop,
-// where the compiler splits the plain reads into eight (the stage kernels'
-// reads stay whole, and forcing them there costs K = 7 registers).
-__device__ __forceinline__ void load_shared_floats8(const float* p, float (&v)[8]) {
-  const uint4 lo = load_shared16(p), hi = load_shared16(p + 4);
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = __uint_as_float(w[e]);
-}
-
-__host__ __device__ constexpr size_t taps_bytes(int K, int k_padded) {
-  return sizeof(float) * (K * K + 1) * k_padded;
 }
 
 // ---- the stage kernel ----------------------------------------------------------
@@ -148,8 +174,11 @@ struct StageArgs {
   const T* input;  // NHWC [N, H, W, Cin]
   int H, W, Ho, Wo, stride;
   int64_t pixels;  // N * Ho * Wo
+  int64_t tiles;   // of kTileRows pixels
   bool vector_input;
   SharedLayout layout;
+  size_t taps_offset;
+  bool reload_taps;  // the taps share the output tile's space: loaded again per tile
 };
 
 // Where each row of a stage-kernel block reads its input: the element offset
@@ -170,23 +199,17 @@ struct WindowSource {
   bool column_inside[K];
 };
 
-// Output pixels per stage-kernel item: their depthwise sums share each read
-// of the taps from shared memory, and their loads are in flight together.
-// One for K = 5 and 7, whose pairs of windows spill registers once every
-// load of a kernel row is in flight.
-template <int K>
-constexpr int kPixelsPerItem = K == 3 ? 2 : 1;
-
-// Depthwise taps for 8 channels of kernel rows i0 .. i0 + Count - 1 of each of
-// an item's pixels: every load issued before any is used (out-of-image taps
-// are zero), so a thread keeps kPixelsPerItem<K> x Count x K loads in flight.
+// Depthwise taps for a lane's 8 channels of kernel rows i0 .. i0 + Count - 1
+// of its two pixels, on the tensor cores (diagonal_tap): every load issued
+// before any is used (out-of-image taps are zero), so a thread keeps
+// 2 x Count x K loads in flight.
 template <typename T, int K, int Count, bool Vector>
-__device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[kPixelsPerItem<K>], int i0, int H,
-                                              int64_t row_step, int Cin, int c, const float* taps, int Kp,
-                                              float (&acc)[kPixelsPerItem<K>][8]) {
-  uint4 pixel[kPixelsPerItem<K>][Count][K];
+__device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[2], int i0, int H, int64_t row_step,
+                                              int Cin, int c, const T* taps, int Kp, uint32_t mask,
+                                              float (&d)[4][4]) {
+  uint4 pixel[2][Count][K];
 #pragma unroll
-  for (int p = 0; p < kPixelsPerItem<K>; ++p) {
+  for (int p = 0; p < 2; ++p) {
 #pragma unroll
     for (int i = 0; i < Count; ++i) {
       const bool row_inside = src[p].y0 + i0 + i >= 0 && src[p].y0 + i0 + i < H;
@@ -209,15 +232,7 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[k
   for (int i = 0; i < Count; ++i) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      float w[8];
-      load_floats8(taps + ((i0 + i) * K + j) * Kp + c, w);
-#pragma unroll
-      for (int p = 0; p < kPixelsPerItem<K>; ++p) {
-        float v[8];
-        unpack8<T>(pixel[p][i][j], v);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[p][e] = fmaf(w[e], v[e], acc[p][e]);
-      }
+      diagonal_tap<T>(d, pixel[0][i][j], pixel[1][i][j], load_shared16(taps + ((i0 + i) * K + j) * Kp + c), mask);
     }
   }
 }
@@ -228,83 +243,93 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[k
 template <int K>
 constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 
-// The stage kernel's depthwise step: each item is kPixelsPerItem<K> output
-// pixels' 8 channels, into A. Vector: NHWC rows of 16-byte-aligned multiples
-// of 8 channels, read 16 bytes at a time.
+// The stage kernel's depthwise step into A: warps take (16 pixels, 32
+// channels) items, a lane pixels g and g + 8 of them and 8 channels (see
+// diagonal_tap). Vector: NHWC rows of 16-byte-aligned multiples of 8
+// channels, read 16 bytes at a time.
 template <typename T, int K, bool Vector>
 __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
-                                const float* taps, T* a_tile) {
+                                const T* taps, T* a_tile) {
   const StageGemm<T>& s = args.gemm;
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
-  const int groups = Kp / 8;
+  const int lane = threadIdx.x % 32;
+  const uint32_t mask = diagonal_mask();
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
-  for (int item = threadIdx.x; item < (kTileRows / kPixelsPerItem<K>) * groups; item += blockDim.x) {
-    const int r0 = (item / groups) * kPixelsPerItem<K>, c = (item % groups) * 8;
-    float bias[8];
-    load_floats8(taps + K * K * Kp + c, bias);
-    float acc[kPixelsPerItem<K>][8];
-    WindowSource<T, K> src[kPixelsPerItem<K>];
+  for (GridCursor at(Kp / kChannelGroup, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16; at.advance()) {
+    const int c = at.column * kChannelGroup + lane % 4 * 8;
+    const int r[2] = {at.row * 16 + lane / 4, at.row * 16 + lane / 4 + 8};
+    float d[4][4];
+    {
+      float bias[8];
+      load_floats8(tap_bias<K>(taps, Kp) + c, bias);
+      diagonal_start(d, bias);
+    }
+    WindowSource<T, K> src[2];
 #pragma unroll
-    for (int p = 0; p < kPixelsPerItem<K>; ++p) {
-      const int r = r0 + p;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[p][e] = bias[e];
-      // A pixel past the end reads nothing: its columns all count as outside.
-      const bool live = rows.pixel[r] >= 0;
-      src[p].y0 = sources.y[r];
+    for (int p = 0; p < 2; ++p) {
+      // A pixel past the end, or channels past Cin, read nothing: all columns count as outside.
+      const bool live = rows.pixel[r[p]] >= 0 && c < Cin;
+      src[p].y0 = sources.y[r[p]];
       src[p].corner =
-          args.input + sources.offset[r] + (static_cast<int64_t>(src[p].y0) * args.W + sources.x[r]) * Cin + c;
+          args.input + sources.offset[r[p]] + (static_cast<int64_t>(src[p].y0) * args.W + sources.x[r[p]]) * Cin + c;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        src[p].column_inside[j] = live && sources.x[r] + j >= 0 && sources.x[r] + j < args.W;
+        src[p].column_inside[j] = live && sources.x[r[p]] + j >= 0 && sources.x[r[p]] + j < args.W;
       }
     }
-    if (c < Cin) {
-      constexpr int count = kRowsInFlight<K>;
+    constexpr int count = kRowsInFlight<K>;
 #pragma unroll
-      for (int i0 = 0; i0 < K; i0 += count) {
-        depthwise_rows<T, K, count, Vector>(src, i0, args.H, row_step, Cin, c, taps, Kp, acc);
-      }
+    for (int i0 = 0; i0 < K; i0 += count) {
+      depthwise_rows<T, K, count, Vector>(src, i0, args.H, row_step, Cin, c, taps, Kp, mask, d);
     }
+    float v[2][8];
+    diagonal_result(d, v[0], v[1]);
 #pragma unroll
-    for (int p = 0; p < kPixelsPerItem<K>; ++p) store_a8<T>(a_tile + (r0 + p) * a_stride, c, acc[p]);
+    for (int p = 0; p < 2; ++p) store_a8<T>(a_tile + r[p] * a_stride, c, v[p]);
   }
 }
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
 // tiles whose shared memory leaves room for only one): 16 warps per SM either way.
+// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; the taps are
+// loaded once per block, past the output tile's reach where shared memory
+// has room (ncu: loading them per tile was most of the 10% of stage 3's time
+// before its depthwise), else once per tile.
 template <typename T, int K, int Threads>
 __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_kernel(const StageArgs<T> args) {
-  static_assert(kTileRows % kPixelsPerItem<K> == 0, "a block's rows split into whole items");
+  static_assert(kTileRows % 16 == 0, "a block's rows split into the diagonal mma's 16");
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
   __shared__ RowSource sources;
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
-  float* taps = reinterpret_cast<float*>(shared + args.layout.region_offset);
+  T* taps = reinterpret_cast<T*>(shared + args.taps_offset);
   const int Cin = s.pw.in_channels;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileRows;
-  for (int r = threadIdx.x; r < kTileRows; r += Threads) {
-    const int64_t pixel = first + r < args.pixels ? first + r : -1;
-    rows.pixel[r] = pixel;
-    const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
-    const int64_t image = pixel < 0 ? 0 : pixel / plane;
-    const int offset = pixel < 0 ? 0 : static_cast<int>(pixel % plane);
-    sources.y[r] = (offset / args.Wo) * args.stride - K / 2;
-    sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
-    sources.offset[r] = image * args.H * args.W * Cin;
-  }
-  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
-  __syncthreads();
+  const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
+  for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
+    if (tile == blockIdx.x || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
+    for (int r = threadIdx.x; r < kTileRows; r += Threads) {
+      const int64_t pixel = tile * kTileRows + r < args.pixels ? tile * kTileRows + r : -1;
+      rows.pixel[r] = pixel;
+      const int64_t image = pixel < 0 ? 0 : pixel / plane;
+      const int offset = pixel < 0 ? 0 : static_cast<int>(pixel % plane);
+      sources.y[r] = (offset / args.Wo) * args.stride - K / 2;
+      sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
+      sources.offset[r] = image * args.H * args.W * Cin;
+    }
+    __syncthreads();
 
-  if (args.vector_input) {
-    stage_depthwise<T, K, true>(args, rows, sources, taps, a_tile);
-  } else {
-    stage_depthwise<T, K, false>(args, rows, sources, taps, a_tile);
+    if (args.vector_input) {
+      stage_depthwise<T, K, true>(args, rows, sources, taps, a_tile);
+    } else {
+      stage_depthwise<T, K, false>(args, rows, sources, taps, a_tile);
+    }
+    __syncthreads();
+    finish_block<T>(shared, args.layout, s, rows);
+    // The next tile's rows overwrite the row table and its sources.
+    __syncthreads();
   }
-  __syncthreads();
-  finish_block<T>(shared, args.layout, s, rows);
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -487,60 +512,55 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
   }
 }
 
-// Output pixels per stage-2 depthwise item: a run along a tile row. The
-// run's windows overlap, so each stage-1 value read from shared memory feeds
-// every pixel of the run whose window holds it, and each tap read feeds the
-// whole run: for K = 3 at stride 2, 47 shared reads per 4 pixels instead of
-// 29 per pixel. Two for K = 5 and 7, whose rows of taps take more registers.
-template <int K>
-constexpr int kStage2Run = K == 3 ? 4 : 2;
+// The tile column of the pixel in mma row g (and g + 8) of a stage-2
+// depthwise item. A 16-byte shared read serves 8 lanes per pass, here two
+// pixels' 64 bytes; with the stage-1 rows an odd number of 16-byte units
+// long, two positions 4 apart land in disjoint banks, so the pixels of each
+// pair are 4 / S2 columns apart: 0 2 1 3 4 6 5 7 at stride 2, 0 4 1 5 2 6 3 7 at 1.
+template <int S2>
+__device__ __forceinline__ int stage2_column(int g) {
+  return S2 == 2 ? (g & 4) | (g & 1) << 1 | (g >> 1 & 1) : (g & 1) << 2 | g >> 1;
+}
 
 // The first kernel's stage-2 depthwise (stride S2) from the stage-1
-// activations into A, kStage2Run<K> pixels' 8 channels per item. Each pixel
-// adds its taps in the same order as one pixel alone would (kernel rows,
-// then columns), so the result does not depend on the run length.
+// activations into A, on the tensor cores (diagonal_tap): warps take (two
+// tile rows, 32 channels) items, a lane one pixel of each row and 8 channels.
 template <typename T, int K, int S2>
-__device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const float* taps, T* a_tile, int a_stride,
+__device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* taps, T* a_tile, int a_stride,
                                  int Kp) {
-  constexpr int kRun = kStage2Run<K>;
-  static_assert(kTile % kRun == 0, "a tile row holds whole runs");
-  constexpr int kColumns = (kRun - 1) * S2 + K;  // window columns of a run
+  static_assert(kTile == 8, "a tile row is the 8 rows g of a diagonal mma");
+  const int lane = threadIdx.x % 32;
+  const uint32_t mask = diagonal_mask();
+  const int px = stage2_column<S2>(lane / 4);
   const int64_t row_step = int64_t{a.win1_w} * a.s1_stride;
-  for (GridCursor at(Kp / 8); at.row < kTileRows / kRun; at.advance()) {
-    const int c = at.column * 8;
-    const int py = at.row / (kTile / kRun), px0 = at.row % (kTile / kRun) * kRun;
-    float acc[kRun][8];
+  for (GridCursor at(Kp / kChannelGroup, threadIdx.x / 32, kWarps); at.row < kTileRows / 16; at.advance()) {
+    const int c = at.column * kChannelGroup + lane % 4 * 8;
+    const int py = at.row * 2;
+    float d[4][4];
     {
       float bias[8];
-      load_shared_floats8(taps + K * K * Kp + c, bias);
-#pragma unroll
-      for (int j = 0; j < kRun; ++j) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[j][e] = bias[e];
-      }
+      load_floats8(tap_bias<K>(taps, Kp) + c, bias);
+      diagonal_start(d, bias);
     }
-    const T* window = s1 + (py * S2 * a.win1_w + px0 * S2) * a.s1_stride + c;
+    const T* window0 = s1 + (py * S2 * a.win1_w + px * S2) * a.s1_stride + c;
+    const T* window1 = window0 + S2 * row_step;
 #pragma unroll
     for (int ky = 0; ky < K; ++ky) {
-      float w[K][8];
+      uint4 v0[K], v1[K];
 #pragma unroll
-      for (int kx = 0; kx < K; ++kx) load_shared_floats8(taps + (ky * K + kx) * Kp + c, w[kx]);
-      const T* row = window + ky * row_step;
+      for (int kx = 0; kx < K; ++kx) {
+        v0[kx] = load_shared16(window0 + ky * row_step + kx * a.s1_stride);
+        v1[kx] = load_shared16(window1 + ky * row_step + kx * a.s1_stride);
+      }
 #pragma unroll
-      for (int col = 0; col < kColumns; ++col) {
-        float v[8];
-        unpack8<T>(load_shared16(row + col * a.s1_stride), v);
-#pragma unroll
-        for (int j = 0; j < kRun; ++j) {
-          const int kx = col - j * S2;  // a constant once unrolled
-          if (kx < 0 || kx >= K) continue;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(w[kx][e], v[e], acc[j][e]);
-        }
+      for (int kx = 0; kx < K; ++kx) {
+        diagonal_tap<T>(d, v0[kx], v1[kx], load_shared16(taps + (ky * K + kx) * Kp + c), mask);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kRun; ++j) store_a8<T>(a_tile + (py * kTile + px0 + j) * a_stride, c, acc[j]);
+    float v[2][8];
+    diagonal_result(d, v[0], v[1]);
+    store_a8<T>(a_tile + (py * kTile + px) * a_stride, c, v[0]);
+    store_a8<T>(a_tile + ((py + 1) * kTile + px) * a_stride, c, v[1]);
   }
 }
 
@@ -561,15 +581,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
   T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the float bias
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
-  float* taps = reinterpret_cast<float*>(region + args.taps_offset);    // [K * K + 1][Kp]
+  T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp], then the float bias
   float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
   constexpr int pad = K / 2;
 
   load_stage1_weight(args, Kp, w1, b1);
-  load_depthwise_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
-  load_depthwise_taps<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
+  load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
+  load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
   for (int tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int tx = tile % args.tiles_x * kTile;
     const int ty = tile / args.tiles_x % args.tiles_y * kTile;
@@ -627,8 +647,8 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   g.w1_offset =
       std::max(g.s1_offset + align16(elem * win1 * g.s1_stride), align16(out_tile_bytes(out_channels, elem)));
   g.taps_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
-  g.taps1_offset = g.taps_offset + align16(taps_bytes(K, k_padded));
-  g.scratch = g.taps1_offset + align16(taps_bytes(K, kMaxImageChannels));
+  g.taps1_offset = g.taps_offset + align16(taps_with_bias_bytes(K, k_padded, elem));
+  g.scratch = g.taps1_offset + align16(float_taps_bytes(K, kMaxImageChannels));
   return g;
 }
 
@@ -636,12 +656,26 @@ size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels
   return shared_layout(k_padded, g.scratch, out_channels, elem).total;
 }
 
-SharedLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(k_padded, taps_bytes(K, k_padded), out_channels, elem);
+// The stage kernel's region: the output tile, then the taps, where that fits
+// a block; else the taps at its start, where the output tile overwrites them.
+struct StageLayout {
+  SharedLayout shared;
+  size_t taps_offset;
+  bool reload_taps;
+};
+
+StageLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
+  const size_t out_tile = out_tile_bytes(out_channels, elem), taps = taps_with_bias_bytes(K, k_padded, elem);
+  const SharedLayout apart = shared_layout(k_padded, out_tile + taps, out_channels, elem);
+  if (apart.total + sizeof(RowSource) <= static_cast<size_t>(kMaxSharedBytes)) {
+    return {apart, apart.region_offset + out_tile, false};
+  }
+  const SharedLayout shared = shared_layout(k_padded, taps, out_channels, elem);
+  return {shared, shared.region_offset, true};
 }
 
 size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
-  return stage_layout(K, k_padded, out_channels, elem).total + sizeof(RowSource);
+  return stage_layout(K, k_padded, out_channels, elem).shared.total + sizeof(RowSource);
 }
 
 // Threads per stage-kernel block: kThreads where two such blocks fit in an
@@ -652,6 +686,14 @@ size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
 // from L2 half as often.
 int stage_threads(int K, int k_padded, int out_channels, size_t elem) {
   return two_blocks_fit(stage_shared_bytes(K, k_padded, out_channels, elem)) ? kThreads : 2 * kThreads;
+}
+
+// Persistent blocks for one wave on the current device, `per_sm` on each SM
+// (two 8-warp blocks or one of 16: the launch bounds).
+int64_t one_wave(int per_sm) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return int64_t{sms} * per_sm;
 }
 
 template <typename Kernel, typename Args>
@@ -741,11 +783,8 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.taps_offset = g.taps_offset;
   a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  // One wave of persistent blocks: two per SM (the launch bounds) where their shared memory fits.
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const int64_t resident = (two_blocks_fit(a.layout.total) ? 2 : 1) * int64_t{sms};
-  launch(fused_first_kernel<T, K>, std::min(tiles, resident), kThreads, a.layout.total, a);
+  const int64_t blocks = std::min(tiles, one_wave(two_blocks_fit(a.layout.total) ? 2 : 1));
+  launch(fused_first_kernel<T, K>, blocks, kThreads, a.layout.total, a);
 }
 
 template <typename T, int K>
@@ -762,10 +801,15 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.stride = static_cast<int>(stage.stride);
   a.pixels = p.N * stage.out_h * stage.out_w;
   a.vector_input = stage.in_channels % 8 == 0 && aligned16(a.input);
-  a.layout = stage_layout(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  const int64_t blocks = ceil_div64(a.pixels, kTileRows);
+  const StageLayout layout = stage_layout(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  a.layout = layout.shared;
+  a.taps_offset = layout.taps_offset;
+  a.reload_taps = layout.reload_taps;
+  a.tiles = ceil_div64(a.pixels, kTileRows);
   const size_t shared_bytes = a.layout.total;
-  if (stage_threads(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T)) == kThreads) {
+  const int threads = stage_threads(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  const int64_t blocks = std::min(a.tiles, one_wave(threads == kThreads ? 2 : 1));
+  if (threads == kThreads) {
     launch(fused_stage_kernel<T, K, kThreads>, blocks, kThreads, shared_bytes, a);
   } else {
     launch(fused_stage_kernel<T, K, 2 * kThreads>, blocks, 2 * kThreads, shared_bytes, a);

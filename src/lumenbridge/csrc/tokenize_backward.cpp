@@ -7,7 +7,7 @@
 // p_i (before its norm) and, for the weight gradients, its depthwise output
 // d_i; then, from the last stage down, it rebuilds the stage input
 // x_i = act(norm(p_{i-1})) and takes the stage's gradients:
-//   norm        LayerNorm / affine backward on p_i            (ATen, opmath)
+//   norm        LayerNorm / affine backward on p_i            (ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
 //   depthwise   dW, db and g_x from g_d and x_i                (LumenBridge kernels)
 //   activation  g_n = act'(n_{i-1}) g_x                        (ATen)
@@ -87,23 +87,17 @@ at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
   return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
 }
 
-// LayerNorm over the last dim of rows x [M, C], recomputing its statistics,
-// in the opmath type as ATen's own LayerNorm kernels compute.
+// LayerNorm over the last dim of rows x [M, C]: ATen's own backward, after
+// its forward once more for the statistics (float for half types). Its
+// parameter gradients reduce in a fixed order on every device: no atomics.
 AffineGrads layer_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-                                double eps, bool parameters) {
-  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
-  const at::Tensor xf = x.to(acc), g = grad.to(acc);
-  const at::Tensor centered = xf - xf.mean(-1, true);
-  const at::Tensor rstd = at::rsqrt(centered.square().mean(-1, true) + eps);
-  const at::Tensor xhat = centered * rstd;
-  const at::Tensor g_xhat = g * weight.to(acc);
-  const at::Tensor g_x = rstd * (g_xhat - g_xhat.mean(-1, true) - xhat * (g_xhat * xhat).mean(-1, true));
-  AffineGrads out{g_x.to(x.scalar_type())};
-  if (parameters) {
-    out.weight = (g * xhat).sum(0).to(weight.scalar_type());
-    out.bias = g.sum(0).to(weight.scalar_type());
-  }
-  return out;
+                                const at::Tensor& bias, double eps, bool parameters) {
+  const std::vector<int64_t> shape{x.size(-1)};
+  const auto statistics = at::native_layer_norm(x, shape, weight, bias, eps);
+  const auto grads = at::native_layer_norm_backward(grad, x, shape, std::get<1>(statistics),
+                                                    std::get<2>(statistics), weight, bias,
+                                                    {true, parameters, parameters});
+  return {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)};
 }
 
 // The stage norm's backward on [N, C, h, w]: the input gradient, and the
@@ -122,7 +116,7 @@ AffineGrads stage_norm_backward(const at::Tensor& grad, const at::Tensor& x, con
       return out;
     }
     case StageNorm::LAYERNORM: {
-      AffineGrads out = layer_norm_backward(rows(grad), rows(x), s.norm_weight, p.eps, parameters);
+      AffineGrads out = layer_norm_backward(rows(grad), rows(x), s.norm_weight, s.norm_bias, p.eps, parameters);
       out.input = from_rows(out.input, x.size(0), x.size(2), x.size(3));
       return out;
     }
@@ -226,7 +220,8 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
   at::Tensor g = token_grad_map(grad_tokens, p);
   if (p.has_token_norm()) {
     const at::Tensor last = apply_stage_norm(outputs.back(), p.stages.back(), p);
-    AffineGrads token = layer_norm_backward(rows(g), rows(last), p.token_norm_weight, p.eps, mask.parameters);
+    AffineGrads token = layer_norm_backward(rows(g), rows(last), p.token_norm_weight, p.token_norm_bias, p.eps,
+                                                mask.parameters);
     g = from_rows(token.input, p.N, p.grid_h(), p.grid_w());
     grads.token_norm_weight = token.weight;
     grads.token_norm_bias = token.bias;

@@ -13,8 +13,9 @@ resident block of the pipelined kernels several tiles, so the hand-over
 between a block's tile buffers runs under the tools too.
 Then the fused tokenize kernels, on the shared sample cases
 (lumenbridge.testing.tokenize_cases: every K, stride pattern, activation,
-input kind, layout, output format and odd width) in bfloat16, and the base
-preset in float16. Last, the tokenize backward (composed over the depthwise
+input kind, layout, output format and odd width) in bfloat16, the base
+preset in float16, and the cases whose persistent blocks walk several tiles
+(many_tile_cases). Last, the tokenize backward (composed over the depthwise
 kernels, in the tokenizer's channels-last shapes, 3-channel images included) on
 the same cases in bfloat16. --parts picks which of the three groups run
 (default: all), so a tool's report can be traced to one of them.
@@ -29,7 +30,7 @@ import torch
 
 from lumenbridge import native
 from lumenbridge.config import KERNEL_SIZES
-from lumenbridge.testing import tokenize_cases
+from lumenbridge.testing import many_tile_cases, tokenize_cases
 
 PARTS = ("depthwise", "fused", "backward")
 parser = argparse.ArgumentParser()
@@ -57,8 +58,13 @@ for stride, dtype, fmt in itertools.product((1, 2), DTYPES, FORMATS) if "depthwi
     ops.depthwise_conv2d_backward_input(grad, weight, stride, [32, 32])
     ops.depthwise_conv2d_backward_weight(grad, x, 3, stride)
 # Every case in bfloat16; float16 differs only in its conversions and mma
-# variant, so the base preset covers it.
-FUSED_CASES = [(case, torch.bfloat16) for case in tokenize_cases()] + [(tokenize_cases()[1], torch.float16)]
+# variant, so the base preset covers it. Then the cases whose blocks walk
+# several tiles (the persistent loops and the taps reloaded per tile).
+FUSED_CASES = (
+    [(case, torch.bfloat16) for case in tokenize_cases()]
+    + [(tokenize_cases()[1], torch.float16)]
+    + [(case, torch.bfloat16) for case in many_tile_cases()]
+)
 for case, dtype in FUSED_CASES if "fused" in parts else ():
     if case.config.stage_norm != "none":
         continue  # composed from the kernels above, not fused

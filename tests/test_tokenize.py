@@ -17,7 +17,7 @@ from conftest import HAS_CUDA
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, native
 from lumenbridge.config import KERNEL_SIZES
-from lumenbridge.testing import BASE, NARROW, TokenizeCase, compare_to_float64, tokenize_cases
+from lumenbridge.testing import BASE, NARROW, compare_to_float64, many_tile_cases, tokenize_cases
 
 CASES = tokenize_cases()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -73,23 +73,7 @@ def test_cuda_float32_honours_the_tf32_switch(tf32, device, cuda_kernels, poison
         assert report.error <= report.floor, report  # 1e-5 of the largest reference value
 
 
-# Cases whose persistent blocks each take several tiles (an H200 keeps 264
-# first-kernel and stage-3 blocks and 132 last-stage blocks resident): NARROW
-# at 72 x 256 x 256 has 384+ tiles in every kernel; lumenbridge-large at K = 7
-# has 144 last-stage tiles, whose output tile and taps do not both fit a
-# block's shared memory, so that kernel loads its taps again for every tile.
-MANY_TILES = [
-    TokenizeCase("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),
-    TokenizeCase(
-        "taps-reloaded-per-tile",
-        dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7),
-        batch=36,
-        size=(256, 256),
-    ),
-]
-
-
-@pytest.mark.parametrize("case", MANY_TILES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", many_tile_cases(), ids=lambda c: c.name)
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
 def test_cuda_blocks_that_walk_many_tiles(case, device, cuda_kernels, poisoned):
     assert native.tokenize_path(device, case.config, torch.bfloat16) == "fused"

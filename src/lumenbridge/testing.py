@@ -96,6 +96,20 @@ def tokenize_cases() -> list[TokenizeCase]:
     ]
 
 
+def many_tile_cases() -> list[TokenizeCase]:
+    """CUDA cases whose persistent blocks each take several tiles (an H200
+    keeps 264 first-kernel and stage-3 blocks and 132 last-stage blocks
+    resident): NARROW at 72 x 256 x 256 has more tiles than blocks in every
+    kernel; lumenbridge-large at K = 7 has 144 last-stage tiles, whose output
+    tile and taps do not both fit a block's shared memory, so that kernel
+    loads its taps again for every tile."""
+    large_k7 = dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7)
+    return [
+        _case("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),
+        _case("taps-reloaded-per-tile", large_k7, batch=36, size=(256, 256)),
+    ]
+
+
 # Rounding floors, relative to the largest reference value: a few units of
 # the dtype's last place, for outputs that round to zero error in PyTorch.
 ROUNDING_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}

@@ -513,10 +513,11 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
 }
 
 // The tile column of the pixel in mma row g (and g + 8) of a stage-2
-// depthwise item. A 16-byte shared read serves 8 lanes per pass, here two
-// pixels' 64 bytes; with the stage-1 rows an odd number of 16-byte units
-// long, two positions 4 apart land in disjoint banks, so the pixels of each
-// pair are 4 / S2 columns apart: 0 2 1 3 4 6 5 7 at stride 2, 0 4 1 5 2 6 3 7 at 1.
+// depthwise item. A 16-byte shared read serves 8 lanes per pass, here 64
+// bytes of each of two pixels (rows g = 2j and 2j + 1); with the stage-1 rows
+// an odd number of 16-byte units long, two positions 4 apart land in disjoint
+// banks, so the two pixels are 4 / S2 columns apart: rows g = 0..7 take
+// columns 0 2 1 3 4 6 5 7 at stride 2, 0 4 1 5 2 6 3 7 at stride 1.
 template <int S2>
 __device__ __forceinline__ int stage2_column(int g) {
   return S2 == 2 ? (g & 4) | (g & 1) << 1 | (g >> 1 & 1) : (g & 1) << 2 | g >> 1;

@@ -45,10 +45,9 @@ def test_cpu_op_matches_float64_reference(case, poisoned):
     assert report.error <= report.floor, report  # 1e-5 of the largest reference value
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
-def test_cuda_op_within_twice_pytorch_error(case, dtype, device, cuda_kernels, poisoned):
+def assert_within_twice_pytorch_error(case, dtype: torch.dtype, device: str) -> None:
+    """The op on `case` in `dtype` (outputs poisoned by the caller's fixture):
+    every element written, and within the tolerance rule of float64."""
     model = case.model().to(device, dtype)
     images = case.images().to(device)
     images = images if images.dtype == torch.uint8 else images.to(dtype)
@@ -56,6 +55,13 @@ def test_cuda_op_within_twice_pytorch_error(case, dtype, device, cuda_kernels, p
     assert torch.isfinite(out).all(), "an output element was not written (poison survived)"
     report = compare_to_float64(model, images, out, dtype)
     assert report.ok, report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_cuda_op_within_twice_pytorch_error(case, dtype, device, cuda_kernels, poisoned):
+    assert_within_twice_pytorch_error(case, dtype, device)
 
 
 @pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "full-fp32"])
@@ -77,12 +83,7 @@ def test_cuda_float32_honours_the_tf32_switch(tf32, device, cuda_kernels, poison
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
 def test_cuda_blocks_that_walk_many_tiles(case, device, cuda_kernels, poisoned):
     assert native.tokenize_path(device, case.config, torch.bfloat16) == "fused"
-    model = case.model().to(device, torch.bfloat16)
-    images = case.images().to(device)
-    out = run_op(model, images)
-    assert torch.isfinite(out).all(), "an output element was not written (poison survived)"
-    report = compare_to_float64(model, images, out, torch.bfloat16)
-    assert report.ok, report
+    assert_within_twice_pytorch_error(case, torch.bfloat16, device)
 
 
 def test_fused_path_covers_every_preset_on_cuda(native_ops):

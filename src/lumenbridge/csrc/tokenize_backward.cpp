@@ -87,6 +87,22 @@ at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
   return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
 }
 
+// The pointwise weight gradient g_p^T d and bias gradient sum_m g_p[m, :].
+// Where the depthwise rows are padded anyway (the images' stage), a column of
+// ones in the padding makes the GEMM give the bias gradient too, so the
+// largest g_p (112 x 112 x 96 per image for the presets) is read once, not twice.
+std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const at::Tensor& depthwise,
+                                                             const TokenizeStage& s, const TokenizeProblem& p) {
+  const int64_t cin = s.in_channels;
+  at::Tensor d = pointwise_rows(depthwise);
+  const bool ones_column = d.size(1) > cin;
+  if (ones_column) d.select(1, cin).fill_(1);  // d is pad_columns' own copy
+  const at::Tensor product = at::mm(g_p.t(), d);
+  at::Tensor weight = product.narrow(1, 0, cin).contiguous().view({s.out_channels, cin, 1, 1});
+  at::Tensor bias = ones_column ? product.select(1, cin).contiguous() : row_sum(g_p, p.dtype);
+  return {weight, bias};
+}
+
 // LayerNorm over the last dim of rows x [M, C]: ATen's own backward, after
 // its forward once more for the statistics (float for half types). Its
 // parameter gradients reduce in a fixed order on every device: no atomics.
@@ -180,11 +196,7 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
   // Each tensor is released after its last use: the largest stage inputs and
   // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
   if (mask.parameters) {
-    grads.pw_weights[i] = at::mm(g_p.t(), pointwise_rows(depthwise))
-                              .narrow(1, 0, s.in_channels)
-                              .contiguous()
-                              .view({s.out_channels, s.in_channels, 1, 1});
-    grads.pw_biases[i] = row_sum(g_p, p.dtype);
+    std::tie(grads.pw_weights[i], grads.pw_biases[i]) = pointwise_parameter_grads(g_p, depthwise, s, p);
   }
   g_p.reset();
   depthwise.reset();

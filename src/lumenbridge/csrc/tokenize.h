@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "activated_depthwise.h"
 #include "gateway.h"
 
 namespace lumenbridge {
 
-enum class Activation { GELU, RELU, SILU, NONE };
 // "affine" is a per-channel scale and shift: how the model passes an eval-mode
 // BatchNorm. A training-mode BatchNorm needs batch statistics and never reaches the op.
 enum class StageNorm { NONE, LAYERNORM, AFFINE };
@@ -77,14 +77,6 @@ struct TokenizeGrads {
 // Which gradients a backward call computes (the schema's output_mask).
 struct TokenizeGradMask {
   bool images, parameters;
-};
-
-// A device's depthwise kernels (gateway.h), as the composed backward calls them.
-struct DepthwiseKernels {
-  DepthwiseEntry forward;
-  at::Tensor (*backward_input)(const at::Tensor&, const at::Tensor&, const DepthwiseProblem&);
-  std::tuple<at::Tensor, at::Tensor> (*backward_weight)(const at::Tensor&, const at::Tensor&,
-                                                        const DepthwiseProblem&);
 };
 
 // The backward composed from the device's depthwise kernels and ATen, for

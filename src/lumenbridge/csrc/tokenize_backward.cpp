@@ -5,12 +5,15 @@
 // training holds no activations between forward and backward. The backward
 // first recomputes the forward once, keeping each stage's pointwise output
 // p_i (before its norm) and, for the weight gradients, its depthwise output
-// d_i; then, from the last stage down, it rebuilds the stage input
-// x_i = act(norm(p_{i-1})) and takes the stage's gradients:
+// d_i; then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
-//   depthwise   dW, db and g_x from g_d and x_i                (LumenBridge kernels)
+//   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
+//               g_x from g_d
 //   activation  g_n = act'(n_{i-1}) g_x                        (ATen)
+// where n_{i-1} = norm(p_{i-1}). The stage input x_i is never stored: the
+// depthwise kernels take n_{i-1} and apply the activation themselves
+// (activated_depthwise.h), in the recompute too.
 // Activations are channels-last throughout, so the pointwise stages are plain
 // GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows;
 // only the depthwise kernels of a stage with few input channels (the images')
@@ -42,6 +45,12 @@ at::Tensor from_rows(const at::Tensor& r, int64_t n, int64_t h, int64_t w) {
 constexpr int64_t kMinNhwcChannels = 8;
 Layout depthwise_layout(const TokenizeStage& s) {
   return s.in_channels < kMinNhwcChannels ? Layout::NCHW : Layout::NHWC;
+}
+
+// The activation a stage's depthwise kernels apply to their input: the one
+// between stages, none before the first (the images).
+Activation activation_before(size_t stage, const TokenizeProblem& p) {
+  return stage == 0 ? Activation::NONE : p.activation;
 }
 
 // The pointwise GEMMs run over input channels padded with zero columns to a
@@ -85,17 +94,6 @@ at::Tensor pointwise(const at::Tensor& d, const TokenizeStage& s) {
     out = at::addmm(s.pw_bias, r, w.t());
   }
   return from_rows(out, d.size(0), d.size(2), d.size(3));
-}
-
-// The activation's backward, written over `grad` (a stage-sized buffer the
-// backward no longer needs), so no second one is allocated.
-void activation_backward_(at::Tensor& grad, const at::Tensor& pre, Activation activation) {
-  switch (activation) {
-    case Activation::GELU: at::gelu_backward_out(grad, grad, pre); return;  // the erf form, as in the forward
-    case Activation::RELU: at::threshold_backward_out(grad, grad, pre, 0); return;
-    case Activation::SILU: at::silu_backward_out(grad, grad, pre); return;
-    case Activation::NONE: return;
-  }
 }
 
 struct AffineGrads {
@@ -179,25 +177,27 @@ struct Recomputed {
 Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const DepthwiseKernels& kernels,
                              bool keep_depthwise) {
   Recomputed r;
-  at::Tensor x = x0;
+  at::Tensor pre = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const Layout layout = depthwise_layout(s);
-    at::Tensor d = kernels.forward(dense(x, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout));
+    at::Tensor d = kernels.forward(dense(pre, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout),
+                                   activation_before(i, p));
     r.outputs.push_back(pointwise(d, s));
     r.depthwise.push_back(keep_depthwise ? std::move(d) : at::Tensor());
-    if (i + 1 < p.stages.size()) x = activate(apply_stage_norm(r.outputs.back(), s, p), p.activation);
+    if (i + 1 < p.stages.size()) pre = apply_stage_norm(r.outputs.back(), s, p);
   }
   return r;
 }
 
 // One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output, `depthwise` its depthwise output and `input`
-// its input, dense in the stage's depthwise layout (all taken over, so they
-// are released as soon as they are used). The parameters' gradients go into
-// `grads`; returns the gradient of the input, undefined when the first stage
-// needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor input, size_t i,
+// `output` its pointwise output, `depthwise` its depthwise output and `pre`
+// its input before the activation (n_{i-1}; the images for the first stage,
+// undefined there when no weight gradient is asked for), dense in the stage's
+// depthwise layout (all taken over, so they are released as soon as they are
+// used). The parameters' gradients go into `grads`; returns the gradient of
+// `pre`, undefined when the first stage needs none.
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor pre, size_t i,
                           const TokenizeProblem& p, TokenizeGradMask mask, const DepthwiseKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
@@ -221,12 +221,14 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
   }
   g_p.reset();
   depthwise.reset();
+  const Activation activation = activation_before(i, p);
   if (mask.parameters) {
-    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, input, dw);
+    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, pre, dw, activation);
   }
-  input.reset();
   if (i == 0 && !mask.images) return at::Tensor();
-  return kernels.backward_input(g_d, s.dw_weight, dw);
+  at::Tensor g_x = kernels.backward_input(g_d, s.dw_weight, dw);
+  activation_backward_(g_x, pre, activation);
+  return g_x;
 }
 
 }  // namespace
@@ -260,17 +262,17 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     grads.token_norm_bias = token.bias;
   }
   for (size_t i = S; i-- > 0;) {
-    // The stage input, rebuilt from the previous stage's output (needed for
-    // the weight gradients); the normed output also gives the activation's backward.
-    const at::Tensor previous = i > 0 ? apply_stage_norm(outputs[i - 1], p.stages[i - 1], p) : at::Tensor();
-    at::Tensor input;
-    if (mask.parameters) {
-      input = i > 0 ? dense(activate(previous, p.activation), depthwise_layout(p.stages[i])) : std::move(x0);
+    // The stage input before its activation: the previous stage's normed
+    // output, or the images (needed for the weight gradient only).
+    at::Tensor pre;
+    if (i > 0) {
+      pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
+    } else if (mask.parameters) {
+      pre = std::move(x0);
     }
     at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(forward.depthwise[i]),
-                                    std::move(input), i, p, mask, kernels, grads);
+                                    std::move(pre), i, p, mask, kernels, grads);
     if (i > 0) {
-      activation_backward_(g_x, previous, p.activation);
       g = std::move(g_x);
     } else if (mask.images) {
       // Padding was added after normalization: its gradient is dropped.
@@ -285,7 +287,8 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cpu::depthwise_forward, &cpu::depthwise_backward_input, &cpu::depthwise_backward_weight});
+      {&cpu::activated_depthwise_forward, &cpu::depthwise_backward_input,
+       &cpu::activated_depthwise_backward_weight});
 }
 }  // namespace cpu
 
@@ -295,7 +298,8 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cuda::depthwise_forward, &cuda::depthwise_backward_input, &cuda::depthwise_backward_weight});
+      {&cuda::activated_depthwise_forward, &cuda::depthwise_backward_input,
+       &cuda::activated_depthwise_backward_weight});
 }
 }  // namespace cuda
 #endif

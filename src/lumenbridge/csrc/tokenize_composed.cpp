@@ -22,16 +22,6 @@ at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p)
   return dense(x, p.layout);
 }
 
-at::Tensor activate(const at::Tensor& x, Activation activation) {
-  switch (activation) {
-    case Activation::GELU: return at::gelu(x);  // the erf form
-    case Activation::RELU: return at::relu(x);
-    case Activation::SILU: return at::silu(x);
-    case Activation::NONE: return x;
-  }
-  return x;
-}
-
 at::Tensor apply_stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p) {
   switch (p.stage_norm) {
     case StageNorm::NONE: return x;

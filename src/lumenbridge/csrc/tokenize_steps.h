@@ -11,9 +11,6 @@ namespace lumenbridge {
 // parameters' dtype, zero padded to Hp x Wp, dense in the problem's layout.
 at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p);
 
-// The activation between stages.
-at::Tensor activate(const at::Tensor& x, Activation activation);
-
 // The stage norm of stage `stage` on its pointwise output [N, C, h, w].
 at::Tensor apply_stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p);
 

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../activated_depthwise.h"
 #include "../gateway.h"
 #include "../kernel_sizes.h"
 
@@ -473,6 +474,19 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
         }
       });
   return {gw, gb};
+}
+
+// The CPU folds nothing: the activation's ATen form runs before the kernels.
+at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                                       const DepthwiseProblem& p, Activation activation) {
+  return depthwise_forward(activate(pre, activation), weight, bias, p);
+}
+
+std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
+                                                                       const at::Tensor& pre,
+                                                                       const DepthwiseProblem& p,
+                                                                       Activation activation) {
+  return depthwise_backward_weight(grad_output, activate(pre, activation), p);
 }
 
 }  // namespace lumenbridge::cpu

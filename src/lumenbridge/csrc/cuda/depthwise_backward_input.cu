@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K>::kThreads)
     }
   };
   run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
-                                   Tile::kElems, load, [](const TileCursor<4>&) {}, compute);
+                                   Tile::kElems, load, NoStep{}, NoStep{}, compute);
 }
 
 template <typename T, int K>
@@ -292,7 +292,8 @@ at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Ten
   if (grad_input.numel() == 0) return grad_input;
   if (p.stride == 1) {
     // Same extents in and out at stride 1, so the forward problem is this one.
-    launch_depthwise_forward(grad_output, weight.flip({2, 3}).contiguous(), at::Tensor(), grad_input, p);
+    launch_depthwise_forward(grad_output, weight.flip({2, 3}).contiguous(), at::Tensor(), grad_input, p,
+                             Activation::NONE);
     return grad_input;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

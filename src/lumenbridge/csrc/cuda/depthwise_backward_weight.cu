@@ -10,10 +10,13 @@
 // NCHW blocks load one tile at a time (tiles.cuh). NHWC blocks run their tiles
 // through the forward kernels' pipeline (pipeline.cuh, nhwc_tiles.cuh): each
 // tile's input window and grad_output block arrive in shared memory while the
-// previous tile is computed.
+// previous tile is computed. For the composed backward, the NHWC input may
+// hold pre-activations: each thread applies the activation before the
+// convolution (activated_depthwise.h) to its own copies of the input window
+// before the barrier that publishes it.
 #include <c10/cuda/CUDAGuard.h>
 
-#include "../gateway.h"
+#include "../activated_depthwise.h"
 #include "common.cuh"
 #include "nhwc_tiles.cuh"
 #include "tiles.cuh"
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
                                           int Ho, int Wo, int input_chunk, int grad_chunk,
-                                          TileSpace<3> space, int items, int tiles_per_block,
+                                          const InputActivation input_activation, TileSpace<3> space, int items, int tiles_per_block,
                                           int chunks) {
   using Tile = NhwcWeightTile<T, K, S>;
   using Input = typename Tile::Input;
@@ -173,6 +176,12 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
     dispatch_chunk<T>(grad_chunk, [&](auto width) {
       load_pixel_window<Output, Tile::kThreads, decltype(width)::value>(
           tile + Input::kElems, grad_output + n * Ho * Wo * C, Ho, Wo, C, oy0, ox0, c0, tid);
+    });
+  };
+
+  auto landed = [&](T* tile) {
+    dispatch_chunk<T>(input_chunk, [&](auto width) {
+      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tid, input_activation);
     });
   };
 
@@ -222,7 +231,7 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
   };
   const int first = chunk * tiles_per_block;  // items fits an int (split_work)
   run_tile_pipeline<Tile::kStages>(space, first, min(tiles_per_block, items - first), buffers,
-                                   Tile::kElems, load, [](const TileCursor<3>&) {}, compute);
+                                   Tile::kElems, load, landed, NoStep{}, compute);
 
   // Reduce in a fixed order: across the lanes of a warp that share channels
   // (a fixed xor tree), then across warps through shared memory, which the
@@ -294,12 +303,13 @@ WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_b
 }
 
 template <typename T, int K, int S>
-void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, float* partials,
-                  const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
+void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, Activation input_activation,
+                  float* partials, const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
   const T* go = grad_output.const_data_ptr<T>();
   const T* in = input.const_data_ptr<T>();
   const int chunks = static_cast<int>(split.chunks);
   if (p.layout == Layout::NCHW) {
+    TORCH_INTERNAL_ASSERT(input_activation == Activation::NONE, "the NCHW weight gradient takes no input activation");
     const int vec = vector_width<T>(4, p.W, {in});
     dispatch_vector_width<4>(vec, [&](auto v) {
       using Tile = NchwWeightTile<K, S, decltype(v)::value>;
@@ -319,25 +329,29 @@ void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, float*
              Tile::kSharedBytes, stream>>>(
         go, in, partials, static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
         static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in),
-        chunk_width<T>(p.C, go), space, static_cast<int>(split.items), split.tiles_per_block,
-        chunks);
+        chunk_width<T>(p.C, go), make_input_activation<T>(input_activation), space, static_cast<int>(split.items),
+        split.tiles_per_block, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
-                                                             const at::Tensor& input,
-                                                             const DepthwiseProblem& p) {
+std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
+                                                                       const at::Tensor& pre,
+                                                                       const DepthwiseProblem& p,
+                                                                       Activation activation) {
+  if (p.layout == Layout::NCHW && activation != Activation::NONE) {
+    return activated_depthwise_backward_weight(grad_output, activate(pre, activation), p, Activation::NONE);
+  }
   check_extents_fit_int(p);
-  const c10::cuda::CUDAGuard guard(input.device());
-  const auto options = input.options();
+  const c10::cuda::CUDAGuard guard(pre.device());
+  const auto options = pre.options();
   at::Tensor grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
   at::Tensor grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int taps = static_cast<int>(p.K * p.K);
-  LUMENBRIDGE_DISPATCH_CUDA_TYPES(input.scalar_type(), "lumenbridge_depthwise_backward_weight", [&] {
+  LUMENBRIDGE_DISPATCH_CUDA_TYPES(pre.scalar_type(), "lumenbridge_depthwise_backward_weight", [&] {
     using T = scalar_t;
     dispatch_kernel_size(p.K, [&](auto k) {
       dispatch_stride(p.stride, [&](auto s) {
@@ -351,8 +365,8 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
         const int64_t chunks = std::max<int64_t>(split.chunks, 1);
         at::Tensor partials = at::zeros({p.C, chunks, taps + 1}, options.dtype(at::kFloat));
         if (split.chunks > 0) {
-          launch_pass1<T, K, S>(grad_output, input, partials.mutable_data_ptr<float>(), split, p,
-                                stream);
+          launch_pass1<T, K, S>(grad_output, pre, activation, partials.mutable_data_ptr<float>(), split,
+                                p, stream);
         }
         const int64_t sums = p.C * (taps + 1);
         depthwise_weight_sum_partials_kernel<T><<<grid_x(ceil_div64(sums, kThreads)), kThreads, 0, stream>>>(
@@ -364,6 +378,12 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
     });
   });
   return {grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& grad_output,
+                                                             const at::Tensor& input,
+                                                             const DepthwiseProblem& p) {
+  return activated_depthwise_backward_weight(grad_output, input, p, Activation::NONE);
 }
 
 }  // namespace cuda

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(NchwForwardTile<T, K, S, SIZE>::kThreads,
     }
   };
   run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
-                                   Tile::kElems, load, fetch_taps, compute);
+                                   Tile::kElems, load, NoStep{}, fetch_taps, compute);
 }
 
 template <typename T, int K, int S, PlaneSize SIZE>

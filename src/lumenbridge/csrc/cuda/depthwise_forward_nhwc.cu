@@ -6,7 +6,9 @@
 // channels (geometry and loader in nhwc_tiles.cuh). Its input window, halo
 // included, is copied into shared memory in the input dtype, with 16-byte
 // chunks of channels where C allows; pixels outside the image are
-// zero-filled by the copy itself.
+// zero-filled by the copy itself. With an input activation (the composed
+// backward's recompute), the input holds pre-activations and each thread
+// applies the activation to its own copies of the window before the barrier.
 #include "common.cuh"
 #include "depthwise_forward.cuh"
 #include "nhwc_tiles.cuh"
@@ -30,7 +32,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
     depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
                                   int H, int W, int Ho, int Wo, int chunk, bool vector_stores,
-                                  TileSpace<4> space, int64_t tiles) {
+                                  const InputActivation input_activation, TileSpace<4> space, int64_t tiles) {
   using Tile = NhwcForwardTile<T, K, S>;
   using Input = typename Tile::Input;
   constexpr int V = Tile::kV, R = Tile::kRows, L = Tile::kLane;
@@ -48,6 +50,12 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
       load_pixel_window<Input, Tile::kThreads, decltype(width)::value>(
           tile, input + static_cast<int64_t>(t.digit[3]) * H * W * C, H, W, C,
           t.digit[2] * Tile::kOutH * S - Tile::kPad, t.digit[1] * Tile::kOutW * S - Tile::kPad, c0, tid);
+    });
+  };
+
+  auto landed = [&](T* tile) {
+    dispatch_chunk<T>(chunk, [&](auto width) {
+      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tid, input_activation);
     });
   };
 
@@ -122,12 +130,12 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
     }
   };
   run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,
-                                   Tile::kElems, load, [](const TileCursor<4>&) {}, compute);
+                                   Tile::kElems, load, landed, NoStep{}, compute);
 }
 
 template <typename T, int K, int S>
 void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-            at::Tensor& output, const DepthwiseProblem& p) {
+            at::Tensor& output, const DepthwiseProblem& p, Activation input_activation) {
   using Tile = NhwcForwardTile<T, K, S>;
   constexpr auto kernel = depthwise_forward_nhwc_kernel<T, K, S>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
@@ -143,7 +151,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
       static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in), vector_stores,
-      space, tiles);
+      make_input_activation<T>(input_activation), space, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -151,11 +159,12 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
 
 void launch_depthwise_forward_nhwc(const at::Tensor& input, const at::Tensor& weight,
                                    const at::Tensor& bias, at::Tensor& output,
-                                   const DepthwiseProblem& p) {
+                                   const DepthwiseProblem& p, Activation input_activation) {
   LUMENBRIDGE_DISPATCH_CUDA_TYPES(input.scalar_type(), "lumenbridge_depthwise_forward_nhwc", [&] {
     dispatch_kernel_size(p.K, [&](auto k) {
       dispatch_stride(p.stride, [&](auto s) {
-        launch<scalar_t, decltype(k)::value, decltype(s)::value>(input, weight, bias, output, p);
+        launch<scalar_t, decltype(k)::value, decltype(s)::value>(input, weight, bias, output, p,
+                                                                 input_activation);
       });
     });
   });

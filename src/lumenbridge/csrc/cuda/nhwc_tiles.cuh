@@ -10,6 +10,8 @@
 // banks.
 #pragma once
 
+#include "activation.cuh"
+#include "packed_activation.cuh"
 #include "pipeline.cuh"
 
 namespace lumenbridge {
@@ -65,31 +67,92 @@ struct NhwcTile : NhwcLanes {
   }
 };
 
-// Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),
-// of one H x W x C image into `tile`; pixels and channels outside the image
-// are zero-filled. THREADS is a multiple of the chunks per pixel, so each
-// thread always moves the same chunk of its pixels.
-template <typename Window, int THREADS, int CHUNK, typename T>
-__device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
-                                                  int H, int W, int C, int y0, int x0, int c0,
-                                                  int tid) {
+// Calls visit(r, j, q) for each chunk of a Window this thread moves: pixel
+// (r, j) of the window, chunk q of its slab. THREADS is a multiple of the
+// chunks per pixel, so each thread always moves the same chunk of its pixels.
+template <typename Window, int THREADS, int CHUNK, typename Visit>
+__device__ __forceinline__ void for_each_own_chunk(int tid, Visit&& visit) {
   constexpr unsigned kChunksPerPixel = Window::kSlab / CHUNK;
   constexpr unsigned kPixels = Window::kRows * Window::kCols;
   constexpr unsigned kPixelStep = THREADS / kChunksPerPixel;
   static_assert(THREADS % kChunksPerPixel == 0, "a thread's chunk must not change");
   const unsigned q = tid % kChunksPerPixel;
-  const int c = c0 + static_cast<int>(q * CHUNK);
-  T* const dst = tile + q * CHUNK;
 #pragma unroll 4
   for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
-    const unsigned r = pixel / Window::kCols, j = pixel % Window::kCols;
+    visit(pixel / Window::kCols, pixel % Window::kCols, q);
+  }
+}
+
+// Where chunk q of window pixel (r, j) lies in a tile.
+template <typename Window, int CHUNK>
+__device__ __forceinline__ unsigned chunk_offset(unsigned r, unsigned j, unsigned q) {
+  return (r * Window::kRowPixels + Window::column(j)) * Window::kSlab + q * CHUNK;
+}
+
+// Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),
+// of one H x W x C image into `tile`; pixels and channels outside the image
+// are zero-filled.
+template <typename Window, int THREADS, int CHUNK, typename T>
+__device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
+                                                  int H, int W, int C, int y0, int x0, int c0,
+                                                  int tid) {
+  for_each_own_chunk<Window, THREADS, CHUNK>(tid, [&](unsigned r, unsigned j, unsigned q) {
+    const int c = c0 + static_cast<int>(q * CHUNK);
     const int gy = y0 + static_cast<int>(r), gx = x0 + static_cast<int>(j);
     const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
                         static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
     const int64_t offset = inside ? (static_cast<int64_t>(gy) * W + gx) * C + c : 0;
-    copy_chunk_async<T, CHUNK>(dst + (r * Window::kRowPixels + Window::column(j)) * Window::kSlab,
-                               image + offset, inside);
+    copy_chunk_async<T, CHUNK>(tile + chunk_offset<Window, CHUNK>(r, j, q), image + offset, inside);
+  });
+}
+
+// The activation a depthwise kernel applies to its input tile (the composed
+// backward's x = act(pre)): bf16 and fp16 in the fused kernels' packed form
+// (activate_pair, about 4.5 instructions a value; the exact erf form cost
+// more than the pass it replaced, benchmarks/NOTES.md step 22), float in
+// ATen's exact form.
+struct InputActivation {
+  Activation kind;
+  ActivationForm form;  // bf16 and fp16 only
+};
+
+template <typename T>
+InputActivation make_input_activation(Activation kind) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {kind, ActivationForm{}};
+  } else {
+    return {kind, activation_form<T>(kind)};
   }
+}
+
+// Applies the activation in place to the chunks this thread copied with
+// load_pixel_window, rounding to T. A thread sees its own asynchronous
+// copies once it has waited for them, so this runs before the barrier that
+// publishes the tile. Zero fill stays zero: act(0) = 0.
+template <typename Window, int THREADS, int CHUNK, typename T>
+__device__ __forceinline__ void activate_own_chunks(T* tile, int tid, const InputActivation& act) {
+  if (act.kind == Activation::NONE) return;
+  for_each_own_chunk<Window, THREADS, CHUNK>(tid, [&](unsigned r, unsigned j, unsigned q) {
+    T* chunk = tile + chunk_offset<Window, CHUNK>(r, j, q);
+    Vec<T, CHUNK> v = load_vec<T, CHUNK>(chunk);
+    if constexpr (std::is_same_v<T, float>) {
+      dispatch_activation(act.kind, [&](auto a) {
+#pragma unroll
+        for (int e = 0; e < CHUNK; ++e) v.v[e] = activation_value<decltype(a)::value>(v.v[e]);
+      });
+    } else if constexpr (CHUNK == 1) {
+      const uint32_t pair = activate_pair<T>(static_cast<float>(v.v[0]), 0.0f, act.form);
+      v.v[0] = *reinterpret_cast<const T*>(&pair);  // the low half
+    } else {
+      auto* words = reinterpret_cast<uint32_t*>(v.v);
+#pragma unroll
+      for (int w = 0; w < CHUNK / 2; ++w) {
+        const float2 pair = unpack2<T>(words[w]);
+        words[w] = activate_pair<T>(pair.x, pair.y, act.form);
+      }
+    }
+    store_vec<T, CHUNK>(chunk, v);
+  });
 }
 
 }  // namespace cuda

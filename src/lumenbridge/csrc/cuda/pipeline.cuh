@@ -124,12 +124,15 @@ constexpr int pipeline_stages(size_t tile_bytes) { return tile_bytes <= 24 * 102
 // one space.step further. STAGES tile buffers of `elems` elements: tiles
 // i + 1 .. i + STAGES - 1 are in flight while tile i is computed.
 //   load(buffer, cursor)     issues the asynchronous copies of one tile
+//   landed(buffer)           this thread's own copies of the tile, complete,
+//                            before the barrier publishes the tile (an in-place
+//                            transform of them needs no second barrier)
 //   prepare(cursor)          per-tile setup that may start early (e.g. taps);
 //                            also called once past the last tile (digits stay in range)
 //   compute(buffer, cursor)  computes one tile from shared memory
-template <int STAGES, int D, typename T, typename Load, typename Prepare, typename Compute>
+template <int STAGES, int D, typename T, typename Load, typename Landed, typename Prepare, typename Compute>
 __device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, int64_t first, int count,
-                                                  T* buffers, int elems, Load&& load,
+                                                  T* buffers, int elems, Load&& load, Landed&& landed,
                                                   Prepare&& prepare, Compute&& compute) {
   static_assert(STAGES >= 2, "double buffering at least");
   TileCursor<D> at(first, space), ahead = at;
@@ -143,6 +146,7 @@ __device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, int
   int stage = 0;
   for (int i = 0; i < count; ++i) {
     cp_async_wait_pending<STAGES - 2>();
+    landed(buffers + stage * elems);
     // The one barrier per tile: tile i has landed for every thread, and every
     // thread is done with tile i - 1, whose buffer now takes tile i + STAGES - 1.
     __syncthreads();
@@ -156,6 +160,12 @@ __device__ __forceinline__ void run_tile_pipeline(const TileSpace<D>& space, int
     stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
 }
+
+// A landed or prepare step that does nothing.
+struct NoStep {
+  template <typename... Args>
+  __device__ __forceinline__ void operator()(Args&&...) const {}
+};
 
 // Tiles a persistent block walks: indices blockIdx.x, blockIdx.x + gridDim.x,
 // ... below `total`.

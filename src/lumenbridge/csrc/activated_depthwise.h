@@ -1,0 +1,45 @@
+// The depthwise kernels as the composed backward (tokenize_backward.cpp)
+// calls them, with the activation before the convolution folded in: `pre`
+// holds pre-activations, and the convolution's input is x = act(pre).
+//   forward          depthwise(x) + bias
+//   backward_weight  (grad_weight, grad_bias) against x
+// On CUDA the NHWC kernels apply act to their input tiles as they land, so x
+// never reaches device memory; the other cases, and the CPU, apply the ATen
+// form (activation.h) before the plain kernels. The input gradient takes no
+// activation: its slope stays an ATen pass (folded into the kernel it cost
+// more than the pass, benchmarks/NOTES.md step 22).
+#pragma once
+
+#include "activation.h"
+#include "gateway.h"
+
+namespace lumenbridge {
+
+struct DepthwiseKernels {
+  at::Tensor (*forward)(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                        const DepthwiseProblem& p, Activation activation);
+  at::Tensor (*backward_input)(const at::Tensor& grad_output, const at::Tensor& weight, const DepthwiseProblem& p);
+  std::tuple<at::Tensor, at::Tensor> (*backward_weight)(const at::Tensor& grad_output, const at::Tensor& pre,
+                                                        const DepthwiseProblem& p, Activation activation);
+};
+
+// Each device's entries (CPU: cpu/depthwise_cpu.cpp; CUDA: beside each kernel).
+namespace cpu {
+at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                                       const DepthwiseProblem& p, Activation activation);
+std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
+                                                                       const at::Tensor& pre,
+                                                                       const DepthwiseProblem& p,
+                                                                       Activation activation);
+}  // namespace cpu
+
+namespace cuda {
+at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                                       const DepthwiseProblem& p, Activation activation);
+std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
+                                                                       const at::Tensor& pre,
+                                                                       const DepthwiseProblem& p,
+                                                                       Activation activation);
+}  // namespace cuda
+
+}  // namespace lumenbridge

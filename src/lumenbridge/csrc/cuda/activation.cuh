@@ -1,0 +1,63 @@
+// The activation between stages on one value, as ATen evaluates it on a
+// tensor of a floating type (in float, its op-math type; the caller rounds
+// once to the tensor's type), for the depthwise kernels of the composed
+// backward, which apply it to their input tiles and their input gradients.
+// Kernels take it as a template argument (dispatch_activation), so each
+// variant's inner loops carry no switch.
+#pragma once
+
+#include <type_traits>
+
+#include "../activation.h"
+
+namespace lumenbridge {
+namespace cuda {
+
+template <Activation A>
+using ActivationConstant = std::integral_constant<Activation, A>;
+
+// Runs body(ActivationConstant<A>{}) for the runtime choice; the branch is
+// uniform across the grid.
+template <typename Body>
+__host__ __device__ __forceinline__ void dispatch_activation(Activation activation, Body&& body) {
+  switch (activation) {
+    case Activation::GELU: body(ActivationConstant<Activation::GELU>{}); return;
+    case Activation::RELU: body(ActivationConstant<Activation::RELU>{}); return;
+    case Activation::SILU: body(ActivationConstant<Activation::SILU>{}); return;
+    case Activation::NONE: body(ActivationConstant<Activation::NONE>{}); return;
+  }
+}
+
+template <Activation A>
+__device__ __forceinline__ float activation_value(float x) {
+  if constexpr (A == Activation::GELU) {
+    return x * 0.5f * (1.0f + erff(x * static_cast<float>(M_SQRT1_2)));
+  } else if constexpr (A == Activation::RELU) {
+    return x > 0.0f || x != x ? x : 0.0f;  // NaN propagates, as in ATen
+  } else if constexpr (A == Activation::SILU) {
+    return x / (1.0f + expf(-x));
+  } else {
+    return x;
+  }
+}
+
+// d act / dx at x, as ATen's backward of each activation takes it.
+template <Activation A>
+__device__ __forceinline__ float activation_slope(float x) {
+  if constexpr (A == Activation::GELU) {
+    constexpr float kPdfScale = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+    const float cdf = 0.5f * (1.0f + erff(x * static_cast<float>(M_SQRT1_2)));
+    const float pdf = expf(-0.5f * x * x) * kPdfScale;
+    return cdf + x * pdf;
+  } else if constexpr (A == Activation::RELU) {
+    return x <= 0.0f ? 0.0f : 1.0f;
+  } else if constexpr (A == Activation::SILU) {
+    const float sigmoid = 1.0f / (1.0f + expf(-x));
+    return sigmoid * (1.0f + x * (1.0f - sigmoid));
+  } else {
+    return 1.0f;
+  }
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -3,11 +3,11 @@
 // holds pre-activations, and the convolution's input is x = act(pre).
 //   forward          depthwise(x) + bias
 //   backward_weight  (grad_weight, grad_bias) against x
+//   backward_input   the gradient of pre: act'(pre) times that of x
 // On CUDA the NHWC kernels apply act to their input tiles as they land, so x
-// never reaches device memory; the other cases, and the CPU, apply the ATen
-// form (activation.h) before the plain kernels. The input gradient takes no
-// activation: its slope stays an ATen pass (folded into the kernel it cost
-// more than the pass, benchmarks/NOTES.md step 22).
+// never reaches device memory, and the stride-2 input gradient multiplies by
+// the slope as it stores, so the gradient of x never does; the other cases,
+// and the CPU, run the ATen forms (activation.h) around the plain kernels.
 #pragma once
 
 #include "activation.h"
@@ -18,7 +18,8 @@ namespace lumenbridge {
 struct DepthwiseKernels {
   at::Tensor (*forward)(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
                         const DepthwiseProblem& p, Activation activation);
-  at::Tensor (*backward_input)(const at::Tensor& grad_output, const at::Tensor& weight, const DepthwiseProblem& p);
+  at::Tensor (*backward_input)(const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre,
+                               const DepthwiseProblem& p, Activation activation);
   std::tuple<at::Tensor, at::Tensor> (*backward_weight)(const at::Tensor& grad_output, const at::Tensor& pre,
                                                         const DepthwiseProblem& p, Activation activation);
 };
@@ -31,6 +32,9 @@ std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at:
                                                                        const at::Tensor& pre,
                                                                        const DepthwiseProblem& p,
                                                                        Activation activation);
+at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                              const at::Tensor& pre, const DepthwiseProblem& p,
+                                              Activation activation);
 }  // namespace cpu
 
 namespace cuda {
@@ -40,6 +44,9 @@ std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at:
                                                                        const at::Tensor& pre,
                                                                        const DepthwiseProblem& p,
                                                                        Activation activation);
+at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                              const at::Tensor& pre, const DepthwiseProblem& p,
+                                              Activation activation);
 }  // namespace cuda
 
 }  // namespace lumenbridge

@@ -9,11 +9,10 @@
 //   norm        LayerNorm / affine backward on p_i            (ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
 //   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
-//               g_x from g_d
-//   activation  g_n = act'(n_{i-1}) g_x                        (ATen)
-// where n_{i-1} = norm(p_{i-1}). The stage input x_i is never stored: the
-// depthwise kernels take n_{i-1} and apply the activation themselves
-// (activated_depthwise.h), in the recompute too.
+//               g_n = act'(n_{i-1}) g_x with g_x from g_d
+// where n_{i-1} = norm(p_{i-1}). Neither x_i nor g_x is stored: the
+// depthwise kernels take n_{i-1} and apply the activation, or its slope,
+// themselves (activated_depthwise.h), in the recompute too.
 // Activations are channels-last throughout, so the pointwise stages are plain
 // GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows;
 // only the depthwise kernels of a stage with few input channels (the images')
@@ -226,9 +225,7 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
     std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, pre, dw, activation);
   }
   if (i == 0 && !mask.images) return at::Tensor();
-  at::Tensor g_x = kernels.backward_input(g_d, s.dw_weight, dw);
-  activation_backward_(g_x, pre, activation);
-  return g_x;
+  return kernels.backward_input(g_d, s.dw_weight, pre, dw, activation);
 }
 
 }  // namespace
@@ -287,7 +284,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cpu::activated_depthwise_forward, &cpu::depthwise_backward_input,
+      {&cpu::activated_depthwise_forward, &cpu::activated_depthwise_backward_input,
        &cpu::activated_depthwise_backward_weight});
 }
 }  // namespace cpu
@@ -298,7 +295,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cuda::activated_depthwise_forward, &cuda::depthwise_backward_input,
+      {&cuda::activated_depthwise_forward, &cuda::activated_depthwise_backward_input,
        &cuda::activated_depthwise_backward_weight});
 }
 }  // namespace cuda

@@ -489,4 +489,12 @@ std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at:
   return depthwise_backward_weight(grad_output, activate(pre, activation), p);
 }
 
+at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                              const at::Tensor& pre, const DepthwiseProblem& p,
+                                              Activation activation) {
+  at::Tensor grad = depthwise_backward_input(grad_output, weight, p);
+  activation_backward_(grad, pre, activation);
+  return grad;
+}
+
 }  // namespace lumenbridge::cpu

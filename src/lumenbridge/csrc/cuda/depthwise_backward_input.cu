@@ -9,8 +9,12 @@
 //   stay branch-free. grad_output tiles (with halo) go through shared memory
 //   as the forward input tiles do: NCHW one tile per block (tiles.cuh), NHWC
 //   through the forward's persistent pipeline (pipeline.cuh).
+// For the composed backward (activated_depthwise.h), the NHWC stride-2 kernel
+// also multiplies each gradient by the slope of the activation before the
+// convolution as it stores it; the other kernels leave that to ATen.
 #include <c10/cuda/CUDAGuard.h>
 
+#include "../activated_depthwise.h"
 #include "common.cuh"
 #include "depthwise_forward.cuh"
 #include "nhwc_tiles.cuh"
@@ -125,30 +129,45 @@ __global__ void __launch_bounds__(kThreads)
 // NHWC: 8 x 8 quads (16 x 16 input pixels) of one image and a slab of 32
 // channels per tile, run through the forward kernels' persistent pipeline
 // (pipeline.cuh): each tile's grad_output window, halo included, lands in
-// shared memory while the previous tile is computed. Threads run along
-// channels, four each, then along quad columns, so a warp's shared reads
-// cover four adjacent pixels' slabs; each thread owns kQRows quads.
-template <typename T, int K>
+// shared memory while the previous tile is computed; with SLOPE, so do the
+// tile's 16 x 16 pre-activations, which the stores scale by act'(pre).
+// Threads run along channels, four each, then along quad columns, so a
+// warp's shared reads cover four adjacent pixels' slabs; each thread owns
+// kQRows quads.
+template <typename T, int K, bool SLOPE>
 struct NhwcQuadTile : NhwcLanes {
   static constexpr int kQX = 8, kQY = 4, kQRows = 2;
   static constexpr int kThreads = kChannelThreads * kQX * kQY;
   static constexpr int kQuadW = kQX, kQuadH = kQY * kQRows;
   using Reach = QuadReach<K>;
   using Grad = PixelWindow<kQuadH + Reach::kSpan, kQuadW + Reach::kSpan, 1, kSlab>;
-  static constexpr int kElems = Grad::kElems;
+  using Pre = PixelWindow<2 * kQuadH, 2 * kQuadW, 1, kSlab>;  // after Grad in a tile buffer
+  static constexpr int kElems = Grad::kElems + (SLOPE ? Pre::kElems : 0);
   static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
   static constexpr size_t kSharedBytes = kStages * kElems * sizeof(T);
+  // Two blocks per SM at K = 3 (the slope's registers would leave one; 12
+  // bytes spill instead); larger K would spill hundreds of bytes.
+  static constexpr int kMinBlocks = K == 3 ? 2 : 1;
 };
 
-template <typename T, int K>
-__global__ void __launch_bounds__(NhwcQuadTile<T, K>::kThreads)
+// Scales a thread's L gradients at one pixel by act'(pre) there.
+template <typename T, int L>
+__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, Activation activation) {
+#pragma unroll
+  for (int e = 0; e < L; ++e) value[e] *= input_slope<T>(static_cast<float>(pre.v[e]), activation);
+}
+
+template <typename T, int K, bool SLOPE>
+__global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadTile<T, K, SLOPE>::kMinBlocks)
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
-                                            T* __restrict__ grad_input, int C, int H, int W,
-                                            int Ho, int Wo, int chunk, bool vector_stores,
+                                            T* __restrict__ grad_input, const T* __restrict__ pre,
+                                            Activation activation, int C, int H, int W, int Ho, int Wo,
+                                            int chunk, int pre_chunk, bool vector_stores,
                                             TileSpace<4> space, int64_t tiles) {
-  using Tile = NhwcQuadTile<T, K>;
+  using Tile = NhwcQuadTile<T, K, SLOPE>;
   using Grad = typename Tile::Grad;
+  using Pre = typename Tile::Pre;
   using Reach = typename Tile::Reach;
   constexpr int L = Tile::kLane, kCols = Reach::kSpan + 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -163,11 +182,19 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K>::kThreads)
   const int c0 = static_cast<int>(blockIdx.x % space.radix[0]) * Tile::kSlab;
   const int c = c0 + lane_c * L;
   auto load = [&](T* tile, const TileCursor<4>& t) {
+    const int64_t image = t.digit[3];
     dispatch_chunk<T>(chunk, [&](auto width) {
       load_pixel_window<Grad, Tile::kThreads, decltype(width)::value>(
-          tile, grad_output + static_cast<int64_t>(t.digit[3]) * Ho * Wo * C, Ho, Wo, C,
-          t.digit[2] * Tile::kQuadH + Reach::kMin, t.digit[1] * Tile::kQuadW + Reach::kMin, c0, tid);
+          tile, grad_output + image * Ho * Wo * C, Ho, Wo, C, t.digit[2] * Tile::kQuadH + Reach::kMin,
+          t.digit[1] * Tile::kQuadW + Reach::kMin, c0, tid);
     });
+    if constexpr (SLOPE) {
+      dispatch_chunk<T>(pre_chunk, [&](auto width) {
+        load_pixel_window<Pre, Tile::kThreads, decltype(width)::value>(
+            tile + Grad::kElems, pre + image * H * W * C, H, W, C, 2 * t.digit[2] * Tile::kQuadH,
+            2 * t.digit[1] * Tile::kQuadW, c0, tid);
+      });
+    }
   };
 
   float w[K * K][L];
@@ -220,6 +247,10 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K>::kThreads)
 #pragma unroll
         for (int px = 0; px < 2; ++px) {
           if (y + py >= H || x + px >= W) continue;
+          if constexpr (SLOPE) {
+            const T* pixel = tile + Grad::kElems + ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab;
+            multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pixel + lane_c * L), activation);
+          }
           T* dst = grad_input + ((image * H + y + py) * W + x + px) * C + c;
           if (vector_stores && c + L <= C) {
             Vec<T, L> result;
@@ -262,56 +293,74 @@ void launch_s2_nchw(const T* grad_output, const T* weight, T* grad_input,
   });
 }
 
+// With `pre` (null when `activation` is NONE) the stores are scaled by act'(pre).
 template <typename T, int K>
-void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input,
+void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input, const T* pre, Activation activation,
                     const DepthwiseProblem& p, cudaStream_t stream) {
-  using Tile = NhwcQuadTile<T, K>;
-  constexpr auto kernel = depthwise_backward_input_s2_nhwc_kernel<T, K>;
-  allow_shared_bytes(kernel, Tile::kSharedBytes);
-  const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
-  const int64_t tiles_x = ceil_div64(ceil_div64(p.W, 2), Tile::kQuadW);
-  const int64_t tiles_y = ceil_div64(ceil_div64(p.H, 2), Tile::kQuadH);
-  const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
-  const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
-  const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
-  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
-  kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
-      grad_output, weight, grad_input, static_cast<int>(p.C), static_cast<int>(p.H),
-      static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
-      chunk_width<T>(p.C, grad_output), vector_stores, space, tiles);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto launch = [&](auto slope) {
+    using Tile = NhwcQuadTile<T, K, decltype(slope)::value>;
+    constexpr auto kernel = depthwise_backward_input_s2_nhwc_kernel<T, K, decltype(slope)::value>;
+    allow_shared_bytes(kernel, Tile::kSharedBytes);
+    const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
+    const int64_t tiles_x = ceil_div64(ceil_div64(p.W, 2), Tile::kQuadW);
+    const int64_t tiles_y = ceil_div64(ceil_div64(p.H, 2), Tile::kQuadH);
+    const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
+    const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
+    const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
+    const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
+    kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
+        grad_output, weight, grad_input, pre, activation, static_cast<int>(p.C), static_cast<int>(p.H),
+        static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, grad_output),
+        chunk_width<T>(p.C, pre), vector_stores, space, tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (pre != nullptr) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
 }
 
 }  // namespace
 
-at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
-                                    const DepthwiseProblem& p) {
+at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                              const at::Tensor& pre, const DepthwiseProblem& p,
+                                              Activation activation) {
   check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   at::Tensor grad_input = new_output({p.N, p.C, p.H, p.W}, grad_output.options(), p.memory_format());
+  const bool folded = p.stride == 2 && p.layout == Layout::NHWC && activation != Activation::NONE;
+  if (folded) TORCH_INTERNAL_ASSERT(pre.sizes() == grad_input.sizes() && pre.is_contiguous(at::MemoryFormat::ChannelsLast));
   if (grad_input.numel() == 0) return grad_input;
   if (p.stride == 1) {
     // Same extents in and out at stride 1, so the forward problem is this one.
     launch_depthwise_forward(grad_output, weight.flip({2, 3}).contiguous(), at::Tensor(), grad_input, p,
                              Activation::NONE);
-    return grad_input;
-  }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad_output.scalar_type(), "lumenbridge_depthwise_backward_input", [&] {
-    using T = scalar_t;
-    const T* go = grad_output.const_data_ptr<T>();
-    const T* w = weight.const_data_ptr<T>();
-    T* gi = grad_input.mutable_data_ptr<T>();
-    dispatch_kernel_size(p.K, [&](auto k) {
-      constexpr int K = decltype(k)::value;
-      if (p.layout == Layout::NCHW) {
-        launch_s2_nchw<T, K>(go, w, gi, p, stream);
-      } else {
-        launch_s2_nhwc<T, K>(go, w, gi, p, stream);
-      }
+  } else {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad_output.scalar_type(), "lumenbridge_depthwise_backward_input", [&] {
+      using T = scalar_t;
+      const T* go = grad_output.const_data_ptr<T>();
+      const T* w = weight.const_data_ptr<T>();
+      T* gi = grad_input.mutable_data_ptr<T>();
+      dispatch_kernel_size(p.K, [&](auto k) {
+        constexpr int K = decltype(k)::value;
+        if (p.layout == Layout::NCHW) {
+          launch_s2_nchw<T, K>(go, w, gi, p, stream);
+        } else {
+          launch_s2_nhwc<T, K>(go, w, gi, folded ? pre.const_data_ptr<T>() : nullptr,
+                               folded ? activation : Activation::NONE, p, stream);
+        }
+      });
     });
-  });
+  }
+  if (!folded) activation_backward_(grad_input, pre, activation);
   return grad_input;
+}
+
+at::Tensor depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
+                                    const DepthwiseProblem& p) {
+  return activated_depthwise_backward_input(grad_output, weight, at::Tensor(), p, Activation::NONE);
 }
 
 }  // namespace cuda

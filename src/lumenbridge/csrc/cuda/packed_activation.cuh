@@ -9,7 +9,7 @@
 
 #include <limits>
 
-#include "../activation.h"
+#include "activation.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -43,7 +43,7 @@ __device__ __forceinline__ float2 unpack2<at::Half>(uint32_t u) {
 // Every activation as one branch-free form, v/2 (1 + tanh(u)) with
 // u = v p(min(v^2, 25)) + q, so a kernel applies whichever the config names
 // with no per-element switch:
-//   gelu  p fitted to the erf form (not the usual tanh-GELU, which is 5e-4
+//   gelu  p fitted to the erf form (GeluFit; not the usual tanh-GELU, 5e-4
 //         off): max error 2.7e-5 before rounding; at v^2 = 25 p is still
 //         positive and tanh is 1;
 //   silu  v sigmoid(v) = v/2 (1 + tanh(v/2)): p = 1/2;
@@ -72,12 +72,12 @@ ActivationForm activation_form(Activation act) {
   const float largest = static_cast<float>(std::numeric_limits<T>::max());
   float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, q = 0.0f;
   switch (act) {
-    case Activation::GELU: p0 = 7.97528333e-1f, p1 = 3.69923366e-2f, p2 = -3.49826470e-4f; break;
+    case Activation::GELU: p0 = GeluFit::kP0, p1 = GeluFit::kP1, p2 = GeluFit::kP2; break;
     case Activation::SILU: p0 = 0.5f; break;
     case Activation::RELU: p0 = largest; break;
     case Activation::NONE: q = largest; break;
   }
-  return {splat<T>(p0), splat<T>(p1), splat<T>(p2), splat<T>(q), splat<T>(25.0f), splat<T>(0.5f)};
+  return {splat<T>(p0), splat<T>(p1), splat<T>(p2), splat<T>(q), splat<T>(GeluFit::kClamp), splat<T>(0.5f)};
 }
 
 // The packed instructions on pairs of T held in 32-bit registers.

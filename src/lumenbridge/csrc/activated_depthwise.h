@@ -15,38 +15,33 @@
 
 namespace lumenbridge {
 
-struct DepthwiseKernels {
-  at::Tensor (*forward)(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
-                        const DepthwiseProblem& p, Activation activation);
-  at::Tensor (*backward_input)(const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre,
-                               const DepthwiseProblem& p, Activation activation);
-  std::tuple<at::Tensor, at::Tensor> (*backward_weight)(const at::Tensor& grad_output, const at::Tensor& pre,
-                                                        const DepthwiseProblem& p, Activation activation);
-};
+// Each device's entries (CPU: cpu/depthwise_cpu.cpp; CUDA: beside each
+// kernel), the same signatures in both namespaces.
+#define LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES                                                            \
+  at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight,                  \
+                                         const at::Tensor& bias, const DepthwiseProblem& p,                \
+                                         Activation activation);                                           \
+  at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,   \
+                                                const at::Tensor& pre, const DepthwiseProblem& p,          \
+                                                Activation activation);                                    \
+  std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(                                 \
+      const at::Tensor& grad_output, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation);
 
-// Each device's entries (CPU: cpu/depthwise_cpu.cpp; CUDA: beside each kernel).
 namespace cpu {
-at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
-                                       const DepthwiseProblem& p, Activation activation);
-std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
-                                                                       const at::Tensor& pre,
-                                                                       const DepthwiseProblem& p,
-                                                                       Activation activation);
-at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
-                                              const at::Tensor& pre, const DepthwiseProblem& p,
-                                              Activation activation);
+LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 }  // namespace cpu
 
 namespace cuda {
-at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
-                                       const DepthwiseProblem& p, Activation activation);
-std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,
-                                                                       const at::Tensor& pre,
-                                                                       const DepthwiseProblem& p,
-                                                                       Activation activation);
-at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,
-                                              const at::Tensor& pre, const DepthwiseProblem& p,
-                                              Activation activation);
+LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 }  // namespace cuda
+
+#undef LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
+
+// One device's entries, as the composed backward takes them.
+struct DepthwiseKernels {
+  decltype(&cpu::activated_depthwise_forward) forward;
+  decltype(&cpu::activated_depthwise_backward_input) backward_input;
+  decltype(&cpu::activated_depthwise_backward_weight) backward_weight;
+};
 
 }  // namespace lumenbridge

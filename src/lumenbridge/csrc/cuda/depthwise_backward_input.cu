@@ -330,7 +330,9 @@ at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, con
   const c10::cuda::CUDAGuard guard(grad_output.device());
   at::Tensor grad_input = new_output({p.N, p.C, p.H, p.W}, grad_output.options(), p.memory_format());
   const bool folded = p.stride == 2 && p.layout == Layout::NHWC && activation != Activation::NONE;
-  if (folded) TORCH_INTERNAL_ASSERT(pre.sizes() == grad_input.sizes() && pre.is_contiguous(at::MemoryFormat::ChannelsLast));
+  if (folded) {
+    TORCH_INTERNAL_ASSERT(pre.sizes() == grad_input.sizes() && pre.is_contiguous(at::MemoryFormat::ChannelsLast));
+  }
   if (grad_input.numel() == 0) return grad_input;
   if (p.stride == 1) {
     // Same extents in and out at stride 1, so the forward problem is this one.
@@ -348,8 +350,7 @@ at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, con
         if (p.layout == Layout::NCHW) {
           launch_s2_nchw<T, K>(go, w, gi, p, stream);
         } else {
-          launch_s2_nhwc<T, K>(go, w, gi, folded ? pre.const_data_ptr<T>() : nullptr,
-                               folded ? activation : Activation::NONE, p, stream);
+          launch_s2_nhwc<T, K>(go, w, gi, folded ? pre.const_data_ptr<T>() : nullptr, activation, p, stream);
         }
       });
     });

@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
                                           const T* __restrict__ input,
                                           float* __restrict__ partials, int C, int H, int W,
                                           int Ho, int Wo, int input_chunk, int grad_chunk,
-                                          const InputActivation input_activation, TileSpace<3> space, int items, int tiles_per_block,
-                                          int chunks) {
+                                          const InputActivation input_activation, TileSpace<3> space,
+                                          int items, int tiles_per_block, int chunks) {
   using Tile = NhwcWeightTile<T, K, S>;
   using Input = typename Tile::Input;
   using Output = typename Tile::Output;
@@ -302,6 +302,8 @@ WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_b
   return split;
 }
 
+// `input_activation` is the NHWC kernel's; the entry point runs ATen's form
+// before the NCHW kernels instead.
 template <typename T, int K, int S>
 void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, Activation input_activation,
                   float* partials, const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
@@ -309,7 +311,6 @@ void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, Activa
   const T* in = input.const_data_ptr<T>();
   const int chunks = static_cast<int>(split.chunks);
   if (p.layout == Layout::NCHW) {
-    TORCH_INTERNAL_ASSERT(input_activation == Activation::NONE, "the NCHW weight gradient takes no input activation");
     const int vec = vector_width<T>(4, p.W, {in});
     dispatch_vector_width<4>(vec, [&](auto v) {
       using Tile = NchwWeightTile<K, S, decltype(v)::value>;

@@ -37,11 +37,4 @@ LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 
 #undef LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 
-// One device's entries, as the composed backward takes them.
-struct DepthwiseKernels {
-  decltype(&cpu::activated_depthwise_forward) forward;
-  decltype(&cpu::activated_depthwise_backward_input) backward_input;
-  decltype(&cpu::activated_depthwise_backward_weight) backward_weight;
-};
-
 }  // namespace lumenbridge

@@ -13,6 +13,7 @@
 
 #include "activated_depthwise.h"
 #include "gateway.h"
+#include "layer_norm.h"
 
 namespace lumenbridge {
 
@@ -79,11 +80,19 @@ struct TokenizeGradMask {
   bool images, parameters;
 };
 
-// The backward composed from the device's depthwise kernels and ATen, for
-// any device; grad_tokens has the forward output's sizes, any strides.
+// One device's kernels, as the composed backward takes them.
+struct BackwardKernels {
+  decltype(&cpu::activated_depthwise_forward) depthwise_forward;
+  decltype(&cpu::activated_depthwise_backward_input) depthwise_backward_input;
+  decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
+  decltype(&layer_norm_backward_aten) layer_norm_backward;
+};
+
+// The backward composed from the device's kernels and ATen, for any device;
+// grad_tokens has the forward output's sizes, any strides.
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const DepthwiseKernels& kernels);
+                                         const BackwardKernels& kernels);
 
 // The tokenize and tokenize_backward entries of each device.
 namespace cpu {

@@ -6,7 +6,7 @@
 // first recomputes the forward once, keeping each stage's pointwise output
 // p_i (before its norm) and, for the weight gradients, its depthwise output
 // d_i; then, from the last stage down, it takes the stage's gradients:
-//   norm        LayerNorm / affine backward on p_i            (ATen)
+//   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
 //   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
 //               g_n = act'(n_{i-1}) g_x with g_x from g_d
@@ -17,8 +17,9 @@
 // GEMMs over [pixels, channels] rows and LayerNorms reduce contiguous rows;
 // only the depthwise kernels of a stage with few input channels (the images')
 // run in NCHW.
-// Every reduction is an ATen reduction, a GEMM or LumenBridge's weight-gradient
-// kernel (fixed order): no atomics, so the gradients are bitwise deterministic.
+// Every reduction is an ATen reduction, a GEMM or one of LumenBridge's
+// weight-gradient and LayerNorm kernels (fixed order): no atomics, so the
+// gradients are bitwise deterministic.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
@@ -57,8 +58,10 @@ Activation activation_before(size_t stage, const TokenizeProblem& p) {
 // of 3 (the first stage's, 0.5-0.7 ms each at B = 256, bf16), and the zero
 // products add nothing.
 constexpr int64_t kGemmColumns = 8;
+int64_t padding_columns(int64_t columns) { return (kGemmColumns - columns % kGemmColumns) % kGemmColumns; }
+
 at::Tensor pad_columns(const at::Tensor& m) {
-  const int64_t pad = (kGemmColumns - m.size(1) % kGemmColumns) % kGemmColumns;
+  const int64_t pad = padding_columns(m.size(1));
   return pad == 0 ? m : at::constant_pad_nd(m, {0, pad});
 }
 
@@ -67,37 +70,45 @@ at::Tensor pointwise_matrix(const TokenizeStage& s) {
   return pad_columns(s.pw_weight.view({s.out_channels, s.in_channels}));
 }
 
-// The depthwise output as its [M, Cin padded] rows, with a ones column in
-// the padding where there is padding (the images' stage): the pointwise
-// GEMMs then carry the bias (forward) and the bias gradient (backward) in
-// that column, without a pass of their own over the stage's largest
-// tensors. Returns the rows and whether the column is there.
-std::pair<at::Tensor, bool> rows_with_ones(const at::Tensor& d, const TokenizeStage& s) {
-  at::Tensor r = pad_columns(rows(d));
-  const bool ones = r.size(1) > s.in_channels;
-  if (ones) r.select(1, s.in_channels).fill_(1);  // r is pad_columns' own copy
-  return {r, ones};
+// A stage's depthwise output as the pointwise GEMMs take it: its [M, Cin
+// padded] rows, with a ones column in the padding where there is padding
+// (the images' stage), so that the GEMMs carry the bias (forward) and the
+// bias gradient (backward) in that column, without a pass of their own over
+// the stage's largest tensors. Built once by the recompute and kept for the
+// weight gradient.
+struct DepthwiseRows {
+  at::Tensor rows;
+  bool ones;
+};
+
+DepthwiseRows depthwise_rows(const at::Tensor& d, const TokenizeStage& s) {
+  const int64_t cin = s.in_channels;
+  const int64_t pad = padding_columns(cin);
+  if (pad == 0) return {rows(d), false};
+  // The padding columns from one broadcast row [1, 0, ..., 0], the
+  // channels from d in whatever layout it has: two copies in all.
+  at::Tensor r = at::empty({d.size(0) * d.size(2) * d.size(3), cin + pad}, d.options());
+  at::Tensor ones_then_zeros = at::zeros({1, pad}, d.options());
+  ones_then_zeros.select(1, 0).fill_(1);
+  r.narrow(1, cin, pad).copy_(ones_then_zeros.expand({r.size(0), pad}));
+  r.narrow(1, 0, cin).view({d.size(0), d.size(2), d.size(3), cin}).copy_(d.permute({0, 2, 3, 1}));
+  return {r, true};
 }
 
 // The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout]. In
 // the ones column the bias is a weight column: cuBLAS's bias epilogue took
 // 0.20 of the images' stage's 0.48 ms GEMM (H200, B = 256, bf16).
-at::Tensor pointwise(const at::Tensor& d, const TokenizeStage& s) {
-  const auto [r, ones] = rows_with_ones(d, s);
+at::Tensor pointwise(const DepthwiseRows& d, const TokenizeStage& s, const TokenizeProblem& p) {
   at::Tensor w = pointwise_matrix(s);
   at::Tensor out;
-  if (ones) {
+  if (d.ones) {
     w.select(1, s.in_channels).copy_(s.pw_bias);  // w is pad_columns' own copy
-    out = at::mm(r, w.t());
+    out = at::mm(d.rows, w.t());
   } else {
-    out = at::addmm(s.pw_bias, r, w.t());
+    out = at::addmm(s.pw_bias, d.rows, w.t());
   }
-  return from_rows(out, d.size(0), d.size(2), d.size(3));
+  return from_rows(out, p.N, s.out_h, s.out_w);
 }
-
-struct AffineGrads {
-  at::Tensor input, weight, bias;
-};
 
 // Sums over rows in the opmath type (float for half types), returned in `dtype`.
 at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
@@ -105,39 +116,25 @@ at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
 }
 
 // The pointwise weight gradient g_p^T d and bias gradient sum_m g_p[m, :].
-// With the ones column (rows_with_ones) the weight-gradient GEMM gives the
+// With the ones column (depthwise_rows) the weight-gradient GEMM gives the
 // bias gradient too, so the largest g_p (112 x 112 x 96 per image for the
 // presets) is read once; elsewhere a GEMM against a ones row sums it, which
 // measured 1.5-2x faster than ATen's column reduction (H200, B = 256, bf16:
 // 0.10 against 0.21 ms for 803 K x 192). Both accumulate in float.
-std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const at::Tensor& depthwise,
+std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const DepthwiseRows& d,
                                                              const TokenizeStage& s) {
   const int64_t cin = s.in_channels;
-  const auto [d, ones] = rows_with_ones(depthwise, s);
-  const at::Tensor product = at::mm(g_p.t(), d);
+  const at::Tensor product = at::mm(g_p.t(), d.rows);
   at::Tensor weight = product.narrow(1, 0, cin).contiguous().view({s.out_channels, cin, 1, 1});
-  at::Tensor bias = ones ? product.select(1, cin).contiguous()
+  at::Tensor bias = d.ones ? product.select(1, cin).contiguous()
                          : at::mm(at::ones({1, g_p.size(0)}, g_p.options()), g_p).view({s.out_channels});
   return {weight, bias};
-}
-
-// LayerNorm over the last dim of rows x [M, C]: ATen's own backward, after
-// its forward once more for the statistics (float for half types). Its
-// parameter gradients reduce in a fixed order on every device: no atomics.
-AffineGrads layer_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-                                const at::Tensor& bias, double eps, bool parameters) {
-  const std::vector<int64_t> shape{x.size(-1)};
-  const auto statistics = at::native_layer_norm(x, shape, weight, bias, eps);
-  const auto grads = at::native_layer_norm_backward(grad, x, shape, std::get<1>(statistics),
-                                                    std::get<2>(statistics), weight, bias,
-                                                    {true, parameters, parameters});
-  return {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)};
 }
 
 // The stage norm's backward on [N, C, h, w]: the input gradient, and the
 // norm parameters' when asked for.
 AffineGrads stage_norm_backward(const at::Tensor& grad, const at::Tensor& x, const TokenizeStage& s,
-                                const TokenizeProblem& p, bool parameters) {
+                                const TokenizeProblem& p, bool parameters, const BackwardKernels& kernels) {
   switch (p.stage_norm) {
     case StageNorm::NONE: return {grad};
     case StageNorm::AFFINE: {
@@ -150,7 +147,8 @@ AffineGrads stage_norm_backward(const at::Tensor& grad, const at::Tensor& x, con
       return out;
     }
     case StageNorm::LAYERNORM: {
-      AffineGrads out = layer_norm_backward(rows(grad), rows(x), s.norm_weight, s.norm_bias, p.eps, parameters);
+      AffineGrads out =
+          kernels.layer_norm_backward(rows(grad), rows(x), s.norm_weight, s.norm_bias, p.eps, parameters);
       out.input = from_rows(out.input, x.size(0), x.size(2), x.size(3));
       return out;
     }
@@ -167,40 +165,43 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
 }
 
 // The forward once more: each stage's pointwise output (before its norm)
-// and, for the pointwise weight gradients, its depthwise output (a quarter of
-// the pointwise outputs' bytes at the presets' widths, kept rather than
-// recomputed).
+// and, for the pointwise weight gradients, its depthwise output as the GEMMs'
+// rows (a quarter of the pointwise outputs' bytes at the presets' widths,
+// kept rather than recomputed).
 struct Recomputed {
-  std::vector<at::Tensor> outputs, depthwise;
+  std::vector<at::Tensor> outputs;
+  std::vector<DepthwiseRows> depthwise;
 };
-Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const DepthwiseKernels& kernels,
+Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const BackwardKernels& kernels,
                              bool keep_depthwise) {
   Recomputed r;
   at::Tensor pre = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const Layout layout = depthwise_layout(s);
-    at::Tensor d = kernels.forward(dense(pre, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout),
-                                   activation_before(i, p));
-    r.outputs.push_back(pointwise(d, s));
-    r.depthwise.push_back(keep_depthwise ? std::move(d) : at::Tensor());
+    at::Tensor d = kernels.depthwise_forward(dense(pre, layout), s.dw_weight, s.dw_bias,
+                                             stage_depthwise_problem(p, i, layout), activation_before(i, p));
+    DepthwiseRows rows_of_d = depthwise_rows(d, s);
+    d.reset();
+    r.outputs.push_back(pointwise(rows_of_d, s, p));
+    r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : DepthwiseRows{});
     if (i + 1 < p.stages.size()) pre = apply_stage_norm(r.outputs.back(), s, p);
   }
   return r;
 }
 
 // One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output, `depthwise` its depthwise output and `pre`
+// `output` its pointwise output, `depthwise` its depthwise rows and `pre`
 // its input before the activation (n_{i-1}; the images for the first stage,
 // undefined there when no weight gradient is asked for), dense in the stage's
 // depthwise layout (all taken over, so they are released as soon as they are
 // used). The parameters' gradients go into `grads`; returns the gradient of
 // `pre`, undefined when the first stage needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor pre, size_t i,
-                          const TokenizeProblem& p, TokenizeGradMask mask, const DepthwiseKernels& kernels,
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, DepthwiseRows depthwise, at::Tensor pre, size_t i,
+                          const TokenizeProblem& p, TokenizeGradMask mask, const BackwardKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
-  AffineGrads norm = stage_norm_backward(grad, output, s, p, mask.parameters);
+  AffineGrads norm = stage_norm_backward(grad, output, s, p, mask.parameters, kernels);
   grad.reset();
   output.reset();
   if (mask.parameters && p.stage_norm != StageNorm::NONE) {
@@ -219,20 +220,20 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
     std::tie(grads.pw_weights[i], grads.pw_biases[i]) = pointwise_parameter_grads(g_p, depthwise, s);
   }
   g_p.reset();
-  depthwise.reset();
+  depthwise.rows.reset();
   const Activation activation = activation_before(i, p);
   if (mask.parameters) {
-    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.backward_weight(g_d, pre, dw, activation);
+    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.depthwise_backward_weight(g_d, pre, dw, activation);
   }
   if (i == 0 && !mask.images) return at::Tensor();
-  return kernels.backward_input(g_d, s.dw_weight, pre, dw, activation);
+  return kernels.depthwise_backward_input(g_d, s.dw_weight, pre, dw, activation);
 }
 
 }  // namespace
 
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const DepthwiseKernels& kernels) {
+                                         const BackwardKernels& kernels) {
   const size_t S = p.stages.size();
   at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
   Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters);
@@ -252,8 +253,8 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
   at::Tensor g = token_grad_map(grad_tokens, p);
   if (p.has_token_norm()) {
     const at::Tensor last = apply_stage_norm(outputs.back(), p.stages.back(), p);
-    AffineGrads token = layer_norm_backward(rows(g), rows(last), p.token_norm_weight, p.token_norm_bias, p.eps,
-                                                mask.parameters);
+    AffineGrads token = kernels.layer_norm_backward(rows(g), rows(last), p.token_norm_weight, p.token_norm_bias,
+                                                    p.eps, mask.parameters);
     g = from_rows(token.input, p.N, p.grid_h(), p.grid_w());
     grads.token_norm_weight = token.weight;
     grads.token_norm_bias = token.bias;
@@ -285,7 +286,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
       {&cpu::activated_depthwise_forward, &cpu::activated_depthwise_backward_input,
-       &cpu::activated_depthwise_backward_weight});
+       &cpu::activated_depthwise_backward_weight, &layer_norm_backward_aten});
 }
 }  // namespace cpu
 
@@ -296,7 +297,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
       {&cuda::activated_depthwise_forward, &cuda::activated_depthwise_backward_input,
-       &cuda::activated_depthwise_backward_weight});
+       &cuda::activated_depthwise_backward_weight, &cuda::layer_norm_backward});
 }
 }  // namespace cuda
 #endif

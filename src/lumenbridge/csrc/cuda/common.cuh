@@ -41,6 +41,14 @@ __device__ __forceinline__ Vec<T, VEC> zero_vec() {
   return r;
 }
 
+// Sums `value` over the 32 lanes of a warp in a fixed order (the same tree
+// for every lane), so every lane holds the same, deterministic sum.
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

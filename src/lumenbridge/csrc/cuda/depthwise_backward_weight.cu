@@ -4,8 +4,9 @@
 //
 // Bitwise deterministic: pass 1 gives each block a fixed run of tiles of one
 // channel (NCHW) or one 32-channel slab (NHWC) and reduces its partial sums in
-// a fixed tree; pass 2 sums the per-block partials in order. The split depends
-// only on the problem's shape, never on timing or the GPU.
+// a fixed tree; pass 2 sums the per-block partials in a fixed order
+// (partial_sums.cuh). The split depends only on the problem's shape, never on
+// timing or the GPU.
 //
 // NCHW blocks load one tile at a time (tiles.cuh). NHWC blocks run their tiles
 // through the forward kernels' pipeline (pipeline.cuh, nhwc_tiles.cuh): each
@@ -19,6 +20,7 @@
 #include "../activated_depthwise.h"
 #include "common.cuh"
 #include "nhwc_tiles.cuh"
+#include "partial_sums.cuh"
 #include "tiles.cuh"
 
 namespace lumenbridge {
@@ -32,13 +34,6 @@ namespace {
 //     per SM on the H200, so each block's pipeline runs long. Measured best
 //     of 264 to 4224 blocks on every benchmark shape (benchmarks/NOTES.md).
 constexpr int64_t kMinTilesPerBlock = 8, kNchwBlocksPerChannel = 1024, kNhwcBlocks = 264;
-
-// Sums `value` over the 32 lanes of a warp in a fixed order; lane 0 holds it.
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  return value;
-}
 
 // NCHW: 32 x 32 output tiles of one plane, 32 x 8 threads, 4 rows each.
 template <int K, int S, int VEC>
@@ -260,24 +255,6 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
   }
 }
 
-// Pass 2: one thread per (channel, tap or bias) sums the chunks in order.
-template <typename T>
-__global__ void depthwise_weight_sum_partials_kernel(const float* __restrict__ partials, T* __restrict__ grad_weight,
-                                    T* __restrict__ grad_bias, int C, int taps, int chunks) {
-  const int sums = taps + 1;
-  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (index >= static_cast<int64_t>(C) * sums) return;
-  const int c = static_cast<int>(index / sums), i = static_cast<int>(index % sums);
-  const float* p = partials + static_cast<int64_t>(c) * chunks * sums + i;
-  float total = 0.0f;
-  for (int k = 0; k < chunks; ++k) total += p[static_cast<int64_t>(k) * sums];
-  if (i < taps) {
-    grad_weight[static_cast<int64_t>(c) * taps + i] = static_cast<T>(total);
-  } else {
-    grad_bias[c] = static_cast<T>(total);
-  }
-}
-
 // How pass 1 splits one channel's (or slab's) work: `items` tiles over the
 // batch, in `chunks` runs of `tiles_per_block`. A function of the shape alone.
 struct WorkSplit {
@@ -369,12 +346,9 @@ std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at:
           launch_pass1<T, K, S>(grad_output, pre, activation, partials.mutable_data_ptr<float>(), split,
                                 p, stream);
         }
-        const int64_t sums = p.C * (taps + 1);
-        depthwise_weight_sum_partials_kernel<T><<<grid_x(ceil_div64(sums, kThreads)), kThreads, 0, stream>>>(
-            partials.const_data_ptr<float>(), grad_weight.mutable_data_ptr<T>(),
-            grad_bias.mutable_data_ptr<T>(), static_cast<int>(p.C), taps,
-            static_cast<int>(chunks));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        // Pass 2: each channel's taps, then its bias.
+        sum_partials<T>(partials.const_data_ptr<float>(), p.C, chunks, taps + 1,
+                        {grad_weight.mutable_data_ptr<T>(), grad_bias.mutable_data_ptr<T>(), taps, 1}, stream);
       });
     });
   });

@@ -91,12 +91,6 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
                     pack2<T>(v[6], v[7]));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // ---- A tile: depthwise results in the GEMM's column order ----------------------
 
 // Writes channels c0 .. c0+7 (c0 a multiple of 8) of one A row. Within each

@@ -677,9 +677,8 @@ StageLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
   return {shared, shared.region_offset, true};
 }
 
-size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
-  return stage_layout(K, k_padded, out_channels, elem).shared.total + sizeof(RowSource);
-}
+// A stage-kernel block's shared memory: the layout's, dynamic, and the static RowSource.
+size_t stage_shared_bytes(const StageLayout& layout) { return layout.shared.total + sizeof(RowSource); }
 
 // Threads per stage-kernel block: kThreads where two such blocks fit in an
 // SM's shared memory, else twice that in one block (the last stage's
@@ -687,8 +686,8 @@ size_t stage_shared_bytes(int K, int k_padded, int out_channels, size_t elem) {
 // lumenbridge-base (B = 256): 238 us with two 8-warp blocks of 32 rows,
 // 216 us with one 16-warp block of 64, which reads the pointwise weight
 // from L2 half as often.
-int stage_threads(int K, int k_padded, int out_channels, size_t elem) {
-  return two_blocks_fit(stage_shared_bytes(K, k_padded, out_channels, elem)) ? kThreads : 2 * kThreads;
+int stage_threads(const StageLayout& layout) {
+  return two_blocks_fit(stage_shared_bytes(layout)) ? kThreads : 2 * kThreads;
 }
 
 // Persistent blocks for one wave on the current device, `per_sm` on each SM
@@ -810,7 +809,7 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.reload_taps = layout.reload_taps;
   a.tiles = ceil_div64(a.pixels, kTileRows);
   const size_t shared_bytes = a.layout.total;
-  const int threads = stage_threads(K, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  const int threads = stage_threads(layout);
   const int64_t blocks = std::min(a.tiles, one_wave(threads == kThreads ? 2 : 1));
   if (threads == kThreads) {
     launch(fused_stage_kernel<T, K, kThreads>, blocks, kThreads, shared_bytes, a);
@@ -863,7 +862,7 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
         i == 1 ? first_shared_bytes(first_geometry(static_cast<int>(in_channels), K, static_cast<int>(strides[0]),
                                                    static_cast<int>(strides[1]), k_padded, out_channels, elem),
                                     k_padded, out_channels, elem)
-               : stage_shared_bytes(K, k_padded, out_channels, elem);
+               : stage_shared_bytes(stage_layout(K, k_padded, out_channels, elem));
     if (bytes > static_cast<size_t>(kMaxSharedBytes)) {
       return "stage " + text(static_cast<int64_t>(i)) + " (" + text(widths[i - 1]) + " -> " +
              text(widths[i]) + " channels) needs more shared memory than a block has";

@@ -203,6 +203,21 @@ def test_model_uses_the_op_for_training_except_batchnorm_statistics(native_ops, 
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [248, 264, 1024, 1032])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_token_norm_widths_around_the_layer_norm_kernels_limits(width, dtype, native_ops, cuda_kernels):
+    """The CUDA LayerNorm backward's lanes hold up to 1,024 columns in 16-byte
+    vectors (256 columns a warp-wide round in bf16, 128 in float): widths just
+    below and above a round, its widest, and one past it (ATen's form), on
+    four tokens, fewer rows than a block has warps."""
+    config = dataclasses.replace(NARROW, embed_dim=width, stage_widths=(12, 20, 36, width))
+    model = VisualTokenizer(config, seed=0)
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    assert_within(compare_gradients_to_float64(model, images, op, dtype, "cuda"))
+
+
 @pytest.mark.parametrize("device", device_params())
 def test_images_that_need_a_gradient_get_the_reference_gradient(device, native_ops, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 on both sides

@@ -12,13 +12,16 @@
 #include "../layer_norm.h"
 #include "common.cuh"
 #include "partial_sums.cuh"
-#include "pipeline.cuh"
 
 namespace lumenbridge {
 namespace cuda {
 namespace {
 
 constexpr int kWarps = kThreads / 32;
+// Rows split into at most this many runs, one a block: a function of the
+// row count alone, so the sums' order (and the gradients' bits) never
+// depend on the GPU; one wave at two blocks an SM on the H200.
+constexpr int64_t kBlocks = 264;
 // A lane holds at most 32 columns of a row, so rows of up to 1024 channels.
 constexpr int kMaxLaneColumns = 32;
 
@@ -44,9 +47,10 @@ __device__ __forceinline__ void load_lane(float (&out)[LaneColumns<T, NV>::kCoun
   }
 }
 
-// Rows [blockIdx.x * rows_per_block, +rows_per_block) of this block, row r by
-// warp r mod kWarps. partials is [gridDim.x, 2, C] (the weight's sums, then
-// the bias's), or null when the parameters need no gradient.
+// Rows [blockIdx.x * rows_per_block, +rows_per_block) of this block (the
+// last run may be shorter), its k-th row by warp k mod kWarps. partials is
+// [gridDim.x, 2, C] (the weight's sums, then the bias's), or null when the
+// parameters need no gradient.
 template <typename T, int NV>
 __global__ void __launch_bounds__(kThreads)
     layer_norm_backward_kernel(const T* __restrict__ grad, const T* __restrict__ x,
@@ -153,9 +157,10 @@ void dispatch_lane_vectors(int nv, Body&& body) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
-// Whether the kernel covers these rows: one floating type throughout, an
-// affine norm, contiguous 16-byte-aligned rows of whole 16-byte vectors and
-// at most kMaxLaneColumns columns a lane.
+// Whether the kernel covers these rows: one floating type throughout, both
+// affine parameters (the tokenizer's norms have them), contiguous
+// 16-byte-aligned rows of whole 16-byte vectors and at most kMaxLaneColumns
+// columns a lane.
 bool kernel_covers(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const at::ScalarType type = x.scalar_type();
   if (type != at::kFloat && type != at::kHalf && type != at::kBFloat16) return false;
@@ -165,7 +170,7 @@ bool kernel_covers(const at::Tensor& grad, const at::Tensor& x, const at::Tensor
   }
   const int64_t C = x.size(-1), vec = 16 / x.element_size();
   return x.numel() > 0 && C % vec == 0 && C <= 32 * kMaxLaneColumns && x.is_contiguous() &&
-         grad.is_contiguous() && weight.is_contiguous() && aligned16(x) && aligned16(grad) && aligned16(weight);
+         grad.is_contiguous() && weight.is_contiguous() && aligned16(x) && aligned16(grad);
 }
 
 }  // namespace
@@ -178,25 +183,23 @@ AffineGrads layer_norm_backward(const at::Tensor& grad, const at::Tensor& x, con
   const int C = static_cast<int>(x.size(-1));
   const int64_t rows = x.numel() / C;
   const size_t shared_bytes = 3 * C * sizeof(float);  // the weight, then the block's sums
+  const int64_t rows_per_block = ceil_div64(rows, kBlocks);
+  const int64_t blocks = ceil_div64(rows, rows_per_block);
   AffineGrads out{at::empty_like(x, at::MemoryFormat::Contiguous)};
   at::Tensor partials;
-  int64_t blocks = 0;
+  if (parameters) partials = at::empty({blocks, 2, C}, x.options().dtype(at::kFloat));
   LUMENBRIDGE_DISPATCH_CUDA_TYPES(x.scalar_type(), "layer_norm_backward", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
+    bool launched = false;
     dispatch_lane_vectors<1, kMaxLaneColumns / kVec>(ceil_div(C, 32 * kVec), [&](auto nv) {
-      constexpr auto kernel = layer_norm_backward_kernel<scalar_t, decltype(nv)::value>;
-      // One wave of blocks, each taking an equal run of rows; the split
-      // depends on the device alone, so the sums' order does too.
-      const int64_t rows_per_block =
-          ceil_div64(rows, persistent_blocks<kernel>(kThreads, shared_bytes, ceil_div64(rows, kWarps), 1));
-      blocks = ceil_div64(rows, rows_per_block);
-      if (parameters) partials = at::empty({blocks, 2, C}, x.options().dtype(at::kFloat));
-      kernel<<<grid_x(blocks), kThreads, shared_bytes, stream>>>(
+      layer_norm_backward_kernel<scalar_t, decltype(nv)::value><<<grid_x(blocks), kThreads, shared_bytes, stream>>>(
           grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
           out.input.mutable_data_ptr<scalar_t>(), parameters ? partials.mutable_data_ptr<float>() : nullptr,
           rows, rows_per_block, C, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launched = true;
     });
+    TORCH_INTERNAL_ASSERT(launched, "the LayerNorm kernel covers rows of ", C, " channels");
     if (parameters) {
       out.weight = at::empty({C}, weight.options());
       out.bias = at::empty({C}, bias.options());

@@ -127,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g
   const at::Tensor product = at::mm(g_p.t(), d.rows);
   at::Tensor weight = product.narrow(1, 0, cin).contiguous().view({s.out_channels, cin, 1, 1});
   at::Tensor bias = d.ones ? product.select(1, cin).contiguous()
-                         : at::mm(at::ones({1, g_p.size(0)}, g_p.options()), g_p).view({s.out_channels});
+                           : at::mm(at::ones({1, g_p.size(0)}, g_p.options()), g_p).view({s.out_channels});
   return {weight, bias};
 }
 

@@ -52,6 +52,9 @@ __device__ __forceinline__ float warp_sum(float value) {
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether 16-byte vector accesses may start at p.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // MAX_VEC when that many elements evenly divide `extent` and every pointer is
 // aligned to MAX_VEC elements; otherwise 1 (scalar).
 template <typename T>

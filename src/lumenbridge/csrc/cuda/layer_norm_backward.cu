@@ -155,8 +155,6 @@ void dispatch_lane_vectors(int nv, Body&& body) {
   }
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
-
 // Whether the kernel covers these rows: one floating type throughout, both
 // affine parameters (the tokenizer's norms have them), contiguous
 // 16-byte-aligned rows of whole 16-byte vectors and at most kMaxLaneColumns
@@ -170,7 +168,8 @@ bool kernel_covers(const at::Tensor& grad, const at::Tensor& x, const at::Tensor
   }
   const int64_t C = x.size(-1), vec = 16 / x.element_size();
   return x.numel() > 0 && C % vec == 0 && C <= 32 * kMaxLaneColumns && x.is_contiguous() &&
-         grad.is_contiguous() && weight.is_contiguous() && aligned16(x) && aligned16(grad);
+         grad.is_contiguous() && weight.is_contiguous() && aligned16(x.const_data_ptr()) &&
+         aligned16(grad.const_data_ptr());
 }
 
 }  // namespace

@@ -706,8 +706,6 @@ void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T>
 StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOutput<T>& output) {
   StageGemm<T> g;

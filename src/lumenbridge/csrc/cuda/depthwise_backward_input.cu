@@ -150,11 +150,43 @@ struct NhwcQuadTile : NhwcLanes {
   static constexpr int kMinBlocks = K == 3 ? 2 : 1;
 };
 
-// Scales a thread's L gradients at one pixel by act'(pre) there.
+// The slope the NHWC stride-2 kernel scales its stores by: bf16 and fp16
+// GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
+struct OutputSlope {
+  Activation kind;
+  GeluSlopeForm gelu;  // bf16 and fp16 only
+};
+
+template <typename T>
+OutputSlope make_output_slope(Activation kind) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {kind, GeluSlopeForm{}};
+  } else {
+    return {kind, gelu_slope_form<T>()};
+  }
+}
+
+// Scales a thread's L gradients at one pixel by act'(pre) there. The choice
+// is uniform across the grid.
 template <typename T, int L>
-__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, Activation activation) {
+__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, const OutputSlope& slope) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (slope.kind == Activation::GELU) {
+      static_assert(L % 2 == 0, "the packed slope takes pairs");
+      const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
 #pragma unroll
-  for (int e = 0; e < L; ++e) value[e] *= input_slope<T>(static_cast<float>(pre.v[e]), activation);
+      for (int h = 0; h < L / 2; ++h) {
+        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.gelu));
+        value[2 * h] *= s.x;
+        value[2 * h + 1] *= s.y;
+      }
+      return;
+    }
+  }
+  dispatch_activation(slope.kind, [&](auto a) {
+#pragma unroll
+    for (int e = 0; e < L; ++e) value[e] *= activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e]));
+  });
 }
 
 template <typename T, int K, bool SLOPE>
@@ -162,7 +194,7 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
                                             T* __restrict__ grad_input, const T* __restrict__ pre,
-                                            Activation activation, int C, int H, int W, int Ho, int Wo,
+                                            OutputSlope slope, int C, int H, int W, int Ho, int Wo,
                                             int chunk, int pre_chunk, bool vector_stores,
                                             TileSpace<4> space, int64_t tiles) {
   using Tile = NhwcQuadTile<T, K, SLOPE>;
@@ -249,7 +281,7 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
           if (y + py >= H || x + px >= W) continue;
           if constexpr (SLOPE) {
             const T* pixel = tile + Grad::kElems + ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab;
-            multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pixel + lane_c * L), activation);
+            multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pixel + lane_c * L), slope);
           }
           T* dst = grad_input + ((image * H + y + py) * W + x + px) * C + c;
           if (vector_stores && c + L <= C) {
@@ -309,9 +341,9 @@ void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input, const 
     const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
     const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
     kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
-        grad_output, weight, grad_input, pre, activation, static_cast<int>(p.C), static_cast<int>(p.H),
-        static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, grad_output),
-        chunk_width<T>(p.C, pre), vector_stores, space, tiles);
+        grad_output, weight, grad_input, pre, make_output_slope<T>(activation), static_cast<int>(p.C),
+        static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
+        chunk_width<T>(p.C, grad_output), chunk_width<T>(p.C, pre), vector_stores, space, tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (pre != nullptr) {

@@ -1,7 +1,8 @@
 // The depthwise kernels as the composed backward (tokenize_backward.cpp)
 // calls them, with the activation before the convolution folded in: `pre`
 // holds pre-activations, and the convolution's input is x = act(pre).
-//   forward          depthwise(x) + bias
+//   forward          depthwise(x) + bias, into a given [N, C, Ho, Wo] output
+//                    (the backward's GEMM rows: for NHWC, any pixel pitch)
 //   backward_weight  (grad_weight, grad_bias) against x
 //   backward_input   the gradient of pre: act'(pre) times that of x
 // On CUDA the NHWC kernels apply act to their input tiles as they land, so x
@@ -18,9 +19,9 @@ namespace lumenbridge {
 // Each device's entries (CPU: cpu/depthwise_cpu.cpp; CUDA: beside each
 // kernel), the same signatures in both namespaces.
 #define LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES                                                            \
-  at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight,                  \
-                                         const at::Tensor& bias, const DepthwiseProblem& p,                \
-                                         Activation activation);                                           \
+  void activated_depthwise_forward_into(const at::Tensor& pre, const at::Tensor& weight,                   \
+                                        const at::Tensor& bias, const DepthwiseProblem& p,                 \
+                                        Activation activation, at::Tensor& out);                           \
   at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, const at::Tensor& weight,   \
                                                 const at::Tensor& pre, const DepthwiseProblem& p,          \
                                                 Activation activation);                                    \

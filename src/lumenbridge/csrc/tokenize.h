@@ -82,7 +82,7 @@ struct TokenizeGradMask {
 
 // One device's kernels, as the composed backward takes them.
 struct BackwardKernels {
-  decltype(&cpu::activated_depthwise_forward) depthwise_forward;
+  decltype(&cpu::activated_depthwise_forward_into) depthwise_forward;
   decltype(&cpu::activated_depthwise_backward_input) depthwise_backward_input;
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
   decltype(&layer_norm_backward_aten) layer_norm_backward;

@@ -53,61 +53,53 @@ Activation activation_before(size_t stage, const TokenizeProblem& p) {
   return stage == 0 ? Activation::NONE : p.activation;
 }
 
-// The pointwise GEMMs run over input channels padded with zero columns to a
-// multiple of 8: cuBLAS takes slow unaligned kernels for an inner dimension
-// of 3 (the first stage's, 0.5-0.7 ms each at B = 256, bf16), and the zero
-// products add nothing.
+// The pointwise GEMMs run over rows [M, Cin + 1] padded with zero columns to
+// a multiple of 8, with ones in column Cin: the GEMMs then carry the bias in
+// the forward (a weight column) and the bias gradient in the weight
+// gradient's GEMM, with no pass of their own over a stage's largest tensors
+// (cuBLAS's bias epilogue took 0.20 of the images' stage's 0.48 ms GEMM, and
+// the bias gradients' GEMMs 147 us a step; H200, B = 256, bf16), and cuBLAS
+// takes slow unaligned kernels for an inner dimension of 3 (the images').
 constexpr int64_t kGemmColumns = 8;
 int64_t padding_columns(int64_t columns) { return (kGemmColumns - columns % kGemmColumns) % kGemmColumns; }
+int64_t gemm_columns(int64_t channels) { return channels + 1 + padding_columns(channels + 1); }
 
-at::Tensor pad_columns(const at::Tensor& m) {
-  const int64_t pad = padding_columns(m.size(1));
-  return pad == 0 ? m : at::constant_pad_nd(m, {0, pad});
-}
-
-// The pointwise weight as [Cout, Cin padded].
+// The pointwise weight and bias as the forward GEMM's [Cout, gemm_columns(Cin)].
 at::Tensor pointwise_matrix(const TokenizeStage& s) {
-  return pad_columns(s.pw_weight.view({s.out_channels, s.in_channels}));
+  const int64_t cin = s.in_channels;
+  at::Tensor w = at::zeros({s.out_channels, gemm_columns(cin)}, s.pw_weight.options());
+  w.narrow(1, 0, cin).copy_(s.pw_weight.view({s.out_channels, cin}));
+  w.select(1, cin).copy_(s.pw_bias);
+  return w;
 }
 
-// A stage's depthwise output as the pointwise GEMMs take it: its [M, Cin
-// padded] rows, with a ones column in the padding where there is padding
-// (the images' stage), so that the GEMMs carry the bias (forward) and the
-// bias gradient (backward) in that column, without a pass of their own over
-// the stage's largest tensors. Built once by the recompute and kept for the
-// weight gradient.
-struct DepthwiseRows {
-  at::Tensor rows;
-  bool ones;
-};
+// The pointwise weight as the input gradient's GEMM takes it: [Cout, Cin],
+// padded with zero columns to a multiple of 8 (its output's row width).
+at::Tensor input_gradient_weight(const TokenizeStage& s) {
+  const at::Tensor w = s.pw_weight.view({s.out_channels, s.in_channels});
+  const int64_t pad = padding_columns(s.in_channels);
+  return pad == 0 ? w : at::constant_pad_nd(w, {0, pad});
+}
 
-DepthwiseRows depthwise_rows(const at::Tensor& d, const TokenizeStage& s) {
-  const int64_t cin = s.in_channels;
-  const int64_t pad = padding_columns(cin);
-  if (pad == 0) return {rows(d), false};
-  // The padding columns from one broadcast row [1, 0, ..., 0], the
-  // channels from d in whatever layout it has: two copies in all.
-  at::Tensor r = at::empty({d.size(0) * d.size(2) * d.size(3), cin + pad}, d.options());
-  at::Tensor ones_then_zeros = at::zeros({1, pad}, d.options());
+// A stage's depthwise output as the pointwise GEMMs' rows: the depthwise
+// kernel writes its channels straight into them, one copy of a broadcast row
+// [1, 0, ..., 0] fills the rest. Built once by the recompute and kept for the
+// weight gradient.
+at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeStage& s, const DepthwiseProblem& dw,
+                          Activation activation, const BackwardKernels& kernels) {
+  const int64_t cin = s.in_channels, pad = gemm_columns(cin) - cin;
+  at::Tensor r = new_output({dw.N * dw.Ho * dw.Wo, cin + pad}, pre.options(), at::MemoryFormat::Contiguous);
+  at::Tensor ones_then_zeros = at::zeros({1, pad}, r.options());
   ones_then_zeros.select(1, 0).fill_(1);
   r.narrow(1, cin, pad).copy_(ones_then_zeros.expand({r.size(0), pad}));
-  r.narrow(1, 0, cin).view({d.size(0), d.size(2), d.size(3), cin}).copy_(d.permute({0, 2, 3, 1}));
-  return {r, true};
+  at::Tensor d = from_rows(r.narrow(1, 0, cin), dw.N, dw.Ho, dw.Wo);
+  kernels.depthwise_forward(pre, s.dw_weight, s.dw_bias, dw, activation, d);
+  return r;
 }
 
-// The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout]. In
-// the ones column the bias is a weight column: cuBLAS's bias epilogue took
-// 0.20 of the images' stage's 0.48 ms GEMM (H200, B = 256, bf16).
-at::Tensor pointwise(const DepthwiseRows& d, const TokenizeStage& s, const TokenizeProblem& p) {
-  at::Tensor w = pointwise_matrix(s);
-  at::Tensor out;
-  if (d.ones) {
-    w.select(1, s.in_channels).copy_(s.pw_bias);  // w is pad_columns' own copy
-    out = at::mm(d.rows, w.t());
-  } else {
-    out = at::addmm(s.pw_bias, d.rows, w.t());
-  }
-  return from_rows(out, p.N, s.out_h, s.out_w);
+// The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout].
+at::Tensor pointwise(const at::Tensor& rows_of_d, const TokenizeStage& s, const TokenizeProblem& p) {
+  return from_rows(at::mm(rows_of_d, pointwise_matrix(s).t()), p.N, s.out_h, s.out_w);
 }
 
 // Sums over rows in the opmath type (float for half types), returned in `dtype`.
@@ -115,19 +107,15 @@ at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
   return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
 }
 
-// The pointwise weight gradient g_p^T d and bias gradient sum_m g_p[m, :].
-// With the ones column (depthwise_rows) the weight-gradient GEMM gives the
-// bias gradient too, so the largest g_p (112 x 112 x 96 per image for the
-// presets) is read once; elsewhere a GEMM against a ones row sums it, which
-// measured 1.5-2x faster than ATen's column reduction (H200, B = 256, bf16:
-// 0.10 against 0.21 ms for 803 K x 192). Both accumulate in float.
-std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const DepthwiseRows& d,
+// The pointwise weight gradient g_p^T d and, from the ones column, the bias
+// gradient sum_m g_p[m, :], in one GEMM (accumulating in float), so g_p is
+// read once.
+std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const at::Tensor& rows_of_d,
                                                              const TokenizeStage& s) {
   const int64_t cin = s.in_channels;
-  const at::Tensor product = at::mm(g_p.t(), d.rows);
+  const at::Tensor product = at::mm(g_p.t(), rows_of_d);
   at::Tensor weight = product.narrow(1, 0, cin).contiguous().view({s.out_channels, cin, 1, 1});
-  at::Tensor bias = d.ones ? product.select(1, cin).contiguous()
-                           : at::mm(at::ones({1, g_p.size(0)}, g_p.options()), g_p).view({s.out_channels});
+  at::Tensor bias = product.select(1, cin).contiguous();
   return {weight, bias};
 }
 
@@ -170,7 +158,7 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
 // kept rather than recomputed).
 struct Recomputed {
   std::vector<at::Tensor> outputs;
-  std::vector<DepthwiseRows> depthwise;
+  std::vector<at::Tensor> depthwise;
 };
 Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const BackwardKernels& kernels,
                              bool keep_depthwise) {
@@ -179,12 +167,10 @@ Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, con
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const Layout layout = depthwise_layout(s);
-    at::Tensor d = kernels.depthwise_forward(dense(pre, layout), s.dw_weight, s.dw_bias,
-                                             stage_depthwise_problem(p, i, layout), activation_before(i, p));
-    DepthwiseRows rows_of_d = depthwise_rows(d, s);
-    d.reset();
+    at::Tensor rows_of_d = depthwise_rows(dense(pre, layout), s, stage_depthwise_problem(p, i, layout),
+                                          activation_before(i, p), kernels);
     r.outputs.push_back(pointwise(rows_of_d, s, p));
-    r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : DepthwiseRows{});
+    r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
     if (i + 1 < p.stages.size()) pre = apply_stage_norm(r.outputs.back(), s, p);
   }
   return r;
@@ -197,7 +183,7 @@ Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, con
 // depthwise layout (all taken over, so they are released as soon as they are
 // used). The parameters' gradients go into `grads`; returns the gradient of
 // `pre`, undefined when the first stage needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, DepthwiseRows depthwise, at::Tensor pre, size_t i,
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor pre, size_t i,
                           const TokenizeProblem& p, TokenizeGradMask mask, const BackwardKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
@@ -212,7 +198,7 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, DepthwiseRows dept
   norm.input.reset();
   const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
   const at::Tensor g_d =
-      dense(from_rows(at::mm(g_p, pointwise_matrix(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
+      dense(from_rows(at::mm(g_p, input_gradient_weight(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
             dw.layout);
   // Each tensor is released after its last use: the largest stage inputs and
   // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
@@ -220,7 +206,7 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, DepthwiseRows dept
     std::tie(grads.pw_weights[i], grads.pw_biases[i]) = pointwise_parameter_grads(g_p, depthwise, s);
   }
   g_p.reset();
-  depthwise.rows.reset();
+  depthwise.reset();
   const Activation activation = activation_before(i, p);
   if (mask.parameters) {
     std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.depthwise_backward_weight(g_d, pre, dw, activation);
@@ -285,7 +271,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cpu::activated_depthwise_forward, &cpu::activated_depthwise_backward_input,
+      {&cpu::activated_depthwise_forward_into, &cpu::activated_depthwise_backward_input,
        &cpu::activated_depthwise_backward_weight, &layer_norm_backward_aten});
 }
 }  // namespace cpu
@@ -296,7 +282,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
                                 const TokenizeProblem& p, TokenizeGradMask mask) {
   return tokenize_backward_composed(
       grad_tokens, images, p, mask,
-      {&cuda::activated_depthwise_forward, &cuda::activated_depthwise_backward_input,
+      {&cuda::activated_depthwise_forward_into, &cuda::activated_depthwise_backward_input,
        &cuda::activated_depthwise_backward_weight, &cuda::layer_norm_backward});
 }
 }  // namespace cuda

@@ -477,9 +477,9 @@ std::tuple<at::Tensor, at::Tensor> depthwise_backward_weight(const at::Tensor& g
 }
 
 // The CPU folds nothing: the activation's ATen form runs before the kernels.
-at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
-                                       const DepthwiseProblem& p, Activation activation) {
-  return depthwise_forward(activate(pre, activation), weight, bias, p);
+void activated_depthwise_forward_into(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                                      const DepthwiseProblem& p, Activation activation, at::Tensor& out) {
+  out.copy_(depthwise_forward(activate(pre, activation), weight, bias, p));
 }
 
 std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(const at::Tensor& grad_output,

@@ -1,6 +1,6 @@
 // Depthwise forward entry point: allocates the output and hands the problem to
 // the kernel for its layout (depthwise_forward_nchw.cu, depthwise_forward_nhwc.cu);
-// and its form with an input activation (activated_depthwise.h).
+// and its form with an input activation, into a given output (activated_depthwise.h).
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../activated_depthwise.h"
@@ -22,21 +22,25 @@ void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
   }
 }
 
-at::Tensor activated_depthwise_forward(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
-                                       const DepthwiseProblem& p, Activation activation) {
-  if (p.layout == Layout::NCHW && activation != Activation::NONE) {
-    return activated_depthwise_forward(activate(pre, activation), weight, bias, p, Activation::NONE);
-  }
+at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
   check_extents_fit_int(p);
-  const c10::cuda::CUDAGuard guard(pre.device());
-  at::Tensor output = new_output({p.N, p.C, p.Ho, p.Wo}, pre.options(), p.memory_format());
-  launch_depthwise_forward(pre, weight, bias, output, p, activation);
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor output = new_output({p.N, p.C, p.Ho, p.Wo}, input.options(), p.memory_format());
+  launch_depthwise_forward(input, weight, bias.has_value() ? *bias : at::Tensor(), output, p, Activation::NONE);
   return output;
 }
 
-at::Tensor depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
-  return activated_depthwise_forward(input, weight, bias.has_value() ? *bias : at::Tensor(), p, Activation::NONE);
+void activated_depthwise_forward_into(const at::Tensor& pre, const at::Tensor& weight, const at::Tensor& bias,
+                                      const DepthwiseProblem& p, Activation activation, at::Tensor& out) {
+  if (p.layout == Layout::NCHW) {  // the NCHW kernels write dense outputs and take no activation
+    out.copy_(depthwise_forward(activate(pre, activation), weight,
+                                bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, p));
+    return;
+  }
+  check_extents_fit_int(p);
+  const c10::cuda::CUDAGuard guard(pre.device());
+  launch_depthwise_forward(pre, weight, bias, out, p, activation);
 }
 
 }  // namespace cuda

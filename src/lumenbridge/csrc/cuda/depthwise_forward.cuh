@@ -11,7 +11,8 @@ namespace lumenbridge {
 namespace cuda {
 
 // output = depthwise(act(input), weight) + bias for a validated problem;
-// writes into `output`, which has the problem's output extents and layout.
+// writes into `output`, which has the problem's output extents and layout
+// (NHWC: pixels any pitch apart, channels dense, rows of pixels dense).
 // `bias` may be undefined; only NHWC takes an input activation other than NONE.
 void launch_depthwise_forward(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& bias, at::Tensor& output,

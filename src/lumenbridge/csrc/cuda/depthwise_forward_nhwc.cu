@@ -31,7 +31,7 @@ template <typename T, int K, int S>
 __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2 : 1)
     depthwise_forward_nhwc_kernel(const T* __restrict__ input, const T* __restrict__ weight,
                                   const T* __restrict__ bias, T* __restrict__ output, int C,
-                                  int H, int W, int Ho, int Wo, int chunk, bool vector_stores,
+                                  int pitch, int H, int W, int Ho, int Wo, int chunk, bool vector_stores,
                                   const InputActivation input_activation, TileSpace<4> space, int64_t tiles) {
   using Tile = NhwcForwardTile<T, K, S>;
   using Input = typename Tile::Input;
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
       for (int v = 0; v < V; ++v) {
         const int ox = t.digit[1] * Tile::kOutW + me.sx * V + v;
         if (oy >= Ho || ox >= Wo) continue;
-        T* dst = output + ((image * Ho + oy) * Wo + ox) * C + c;
+        T* dst = output + ((image * Ho + oy) * Wo + ox) * pitch + c;
         if (vector_stores && c + L <= C) {
           Vec<T, L> result;
 #pragma unroll
@@ -146,10 +146,15 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
   const int64_t tiles = slabs * tiles_x * tiles_y * p.N;
   const int64_t blocks = persistent_blocks<kernel>(Tile::kThreads, Tile::kSharedBytes, tiles, slabs);
   const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
-  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {out}) == Tile::kLane;
+  // Pixels `pitch` elements apart: C for a dense output, more for GEMM rows.
+  const int64_t pitch = output.stride(3);
+  TORCH_INTERNAL_ASSERT(output.stride(1) == 1 && pitch >= p.C && output.stride(2) == pitch * p.Wo &&
+                            output.stride(0) == output.stride(2) * p.Ho,
+                        "the NHWC forward writes pixels of dense channels in dense rows");
+  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {out}) == Tile::kLane && pitch % Tile::kLane == 0;
   kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
-      static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
+      static_cast<int>(p.C), static_cast<int>(pitch), static_cast<int>(p.H), static_cast<int>(p.W),
       static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in), vector_stores,
       make_input_activation<T>(input_activation), space, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

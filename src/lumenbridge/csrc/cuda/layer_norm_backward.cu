@@ -20,7 +20,7 @@ namespace {
 constexpr int kWarps = kThreads / 32;
 // Rows split into at most this many runs, one a block: a function of the
 // row count alone, so the sums' order (and the gradients' bits) never
-// depend on the GPU; two for each of the H200's 132 SMs.
+// depend on the GPU; one wave at two blocks an SM on the H200.
 constexpr int64_t kBlocks = 264;
 // A lane holds at most 32 columns of a row, so rows of up to 1024 channels.
 constexpr int kMaxLaneColumns = 32;
@@ -59,22 +59,13 @@ __global__ void __launch_bounds__(kThreads)
                                float eps) {
   using Cols = LaneColumns<T, NV>;
   constexpr int E = Cols::kCount, VEC = Cols::kVec;
-  extern __shared__ float block_sums[];  // [2, C]
+  extern __shared__ float shared[];
+  float* const gamma = shared;           // [C], the weight in float
+  float* const block_sums = shared + C;  // [2, C]
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const float inv_c = 1.0f / static_cast<float>(C);
-  // The lane's columns of the weight, in registers for all its rows: read
-  // from shared memory in row order, a warp's lanes were 16 bytes apart, an
-  // 8-way bank conflict that took most of the kernel's time (NOTES, step 30).
-  // One element at a time: the weight needs no alignment.
-  float gamma[E];
-#pragma unroll
-  for (int v = 0; v < NV; ++v) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const int col = Cols::first(v, lane) + e;
-      gamma[v * VEC + e] = col < C ? static_cast<float>(weight[col]) : 0.0f;
-    }
-  }
+  for (int i = threadIdx.x; i < C; i += kThreads) gamma[i] = static_cast<float>(weight[i]);
+  __syncthreads();
 
   float sum_weight[E], sum_bias[E];
 #pragma unroll
@@ -102,14 +93,19 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float rstd = rsqrtf(warp_sum(squares) * inv_c + eps);
     // dx = rstd (gy - mean(gy) - xhat mean(gy xhat)) with gy = grad * gamma,
-    // zero past C (where gamma and grad are zero).
+    // zero past C (where gamma is not there to read).
     float mean_gy = 0.0f, mean_gy_xhat = 0.0f;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      xv[i] = (xv[i] - mean) * rstd;  // xhat from here on
-      const float gy = gv[i] * gamma[i];
-      mean_gy += gy;
-      mean_gy_xhat += gy * xv[i];
+    for (int v = 0; v < NV; ++v) {
+      const int col = Cols::first(v, lane);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int i = v * VEC + e;
+        xv[i] = (xv[i] - mean) * rstd;  // xhat from here on
+        const float gy = col < C ? gv[i] * gamma[col + e] : 0.0f;
+        mean_gy += gy;
+        mean_gy_xhat += gy * xv[i];
+      }
     }
     mean_gy = warp_sum(mean_gy) * inv_c;
     mean_gy_xhat = warp_sum(mean_gy_xhat) * inv_c;
@@ -121,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const int i = v * VEC + e;
-        dx.v[e] = static_cast<T>(rstd * (gv[i] * gamma[i] - mean_gy - xv[i] * mean_gy_xhat));
+        dx.v[e] = static_cast<T>(rstd * (gv[i] * gamma[col + e] - mean_gy - xv[i] * mean_gy_xhat));
         sum_weight[i] += gv[i] * xv[i];
         sum_bias[i] += gv[i];
       }
@@ -185,7 +181,7 @@ AffineGrads layer_norm_backward(const at::Tensor& grad, const at::Tensor& x, con
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int C = static_cast<int>(x.size(-1));
   const int64_t rows = x.numel() / C;
-  const size_t shared_bytes = 2 * C * sizeof(float);  // the block's sums
+  const size_t shared_bytes = 3 * C * sizeof(float);  // the weight, then the block's sums
   const int64_t rows_per_block = ceil_div64(rows, kBlocks);
   const int64_t blocks = ceil_div64(rows, rows_per_block);
   AffineGrads out{at::empty_like(x, at::MemoryFormat::Contiguous)};

@@ -15,9 +15,12 @@ Then the fused tokenize kernels, on the shared sample cases
 (lumenbridge.testing.tokenize_cases: every K, stride pattern, activation,
 input kind, layout, output format and odd width) in bfloat16, the base
 preset in float16, and the cases whose persistent blocks walk several tiles
-(many_tile_cases). Last, the tokenize backward (composed over the depthwise
-kernels, in the tokenizer's channels-last shapes, 3-channel images included) on
-the same cases in bfloat16. --parts picks which of the three groups run
+(many_tile_cases), each through tokenize and through tokenize_for_training
+(which also writes the depthwise rows). Last, the tokenize backward (composed
+over the depthwise kernels, in the tokenizer's channels-last shapes, 3-channel
+images included) on the same cases in bfloat16, with the rows
+tokenize_for_training saved and recomputing everything after tokenize.
+--parts picks which of the three groups run
 (default: all), so a tool's report can be traced to one of them.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
        [--parts depthwise fused backward]
@@ -70,12 +73,16 @@ for case, dtype in FUSED_CASES if "fused" in parts else ():
         continue  # composed from the kernels above, not fused
     model = case.model().to("cuda", dtype)
     images = case.images().to("cuda")
+    args = native.tokenize_arguments(images if images.dtype == torch.uint8 else images.to(dtype), model)
     with torch.inference_mode():
-        native.tokenize(images if images.dtype == torch.uint8 else images.to(dtype), model)
+        ops.tokenize(*args)
+        ops.tokenize_for_training(*args)
 for case in tokenize_cases() if "backward" in parts else ():
     model = case.model().to("cuda", torch.bfloat16)
     images = case.images().to("cuda")
     images = images if images.dtype == torch.uint8 else images.to(torch.bfloat16).requires_grad_(True)
-    native.tokenize(images, model).float().sum().backward()
+    args = native.tokenize_arguments(images, model)
+    ops.tokenize_for_training(*args)[0].float().sum().backward()
+    ops.tokenize(*args).float().sum().backward()
 torch.cuda.synchronize()
 print("sanitize_kernels: ran", ", ".join(parts))

@@ -36,3 +36,12 @@ def cuda_kernels(native_ops):
     if not extension.has_cuda_kernels():
         pytest.fail("a CUDA GPU is visible but the extension was built without CUDA kernels")
     return native_ops
+
+
+@pytest.fixture
+def poisoned(native_ops):
+    """The ops' outputs filled with NaN before the kernels write them, so an
+    element a kernel misses shows."""
+    native_ops._set_poison_outputs(True)
+    yield native_ops
+    native_ops._set_poison_outputs(False)

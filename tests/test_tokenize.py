@@ -28,13 +28,6 @@ def run_op(model: VisualTokenizer, images: torch.Tensor) -> torch.Tensor:
         return native.tokenize(images, model)
 
 
-@pytest.fixture
-def poisoned(native_ops):
-    native_ops._set_poison_outputs(True)
-    yield native_ops
-    native_ops._set_poison_outputs(False)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_cpu_op_matches_float64_reference(case, poisoned):
     model = case.model().to(torch.float32)

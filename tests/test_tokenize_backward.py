@@ -1,8 +1,9 @@
-"""The backward of torch.ops.lumenbridge.tokenize (the op tokenize_backward):
-gradients against float64 autograd of the reference over the shared sample
-cases, gradcheck, opcheck, determinism, what autograd saves, double backward,
-the gateway's checks, autocast with GradScaler, torch.compile, and the model
-using the op for training."""
+"""The backward of torch.ops.lumenbridge.tokenize and tokenize_for_training
+(the op tokenize_backward): gradients against float64 autograd of the
+reference over the shared sample cases, gradcheck, opcheck, determinism, what
+autograd saves (tokenize_for_training's depthwise rows checked against the
+reference), double backward, the gateway's checks, autocast with GradScaler,
+torch.compile, and the model using the op for training."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from conftest import HAS_CUDA, device_params
 from torch.utils import _pytree as pytree
 
 from lumenbridge import VisualTokenizer, native
-from lumenbridge.testing import NARROW, compare_gradients_to_float64, tokenize_cases
+from lumenbridge.testing import NARROW, ROUNDING_FLOOR, ErrorReport, compare_gradients_to_float64, tokenize_cases
 
 CASES = tokenize_cases()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -23,6 +24,7 @@ TINY = dataclasses.replace(NARROW, embed_dim=6, stage_widths=(4, 6), strides=(2,
 
 
 def op(model, images):
+    """The model's op call: tokenize_for_training wherever a gradient is needed."""
     return native.tokenize(images, model)
 
 
@@ -77,30 +79,45 @@ def detached(args, requires_grad=False):
     ],
     ids=["layernorm-stages", "silu-nchw-out", "affine-no-token-norm-padded-channels-last"],
 )
-def test_gradcheck_in_float64(config, images, native_ops):
+@pytest.mark.parametrize(
+    "call",
+    [torch.ops.lumenbridge.tokenize, lambda *args: torch.ops.lumenbridge.tokenize_for_training(*args)[0]],
+    ids=["tokenize", "tokenize_for_training"],
+)
+def test_gradcheck_in_float64(config, images, call, native_ops):
     model = VisualTokenizer(config, dynamic_pad=True, seed=0).double().eval()
     tensors, rebuild = floating_tensors(detached(native.tokenize_arguments(images.double(), model)))
     inputs = [t.requires_grad_(True) for t in tensors]
-    assert torch.autograd.gradcheck(lambda *ts: torch.ops.lumenbridge.tokenize(*rebuild(ts)), inputs)
+    assert torch.autograd.gradcheck(lambda *ts: call(*rebuild(ts)), inputs)
 
 
 @pytest.mark.parametrize("device", device_params())
 def test_opcheck(device, native_ops):
-    """The backward op on its own (every output_mask), and the forward with
-    inputs that need gradients, which traces the backward through its fake."""
+    """The backward op on its own (every output_mask, with and without saved
+    rows), and the forward ops with inputs that need gradients, which traces
+    the backward through its fake."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lib = torch.ops.lumenbridge
     for name, mask, forward_too in (
         ("dynamic-pad-float", [True, True], True),
         ("layernorm-stages", [False, True], False),
         ("no-token-norm", [True, False], False),
+        ("base", [False, True], True),
     ):
         case = case_named(name)
         model = case.model().to(device, dtype)
         args = detached(native.tokenize_arguments(case.images().to(device), model))
-        grad = torch.randn_like(torch.ops.lumenbridge.tokenize(*args))
-        torch.library.opcheck(torch.ops.lumenbridge.tokenize_backward.default, (grad, *args, mask))
+        tokens, saved = lib.tokenize_for_training(*args)
+        grad = torch.randn_like(tokens)
+        for rows in ([], saved):
+            torch.library.opcheck(lib.tokenize_backward.default, (grad, *args, rows, mask))
         if forward_too:
-            torch.library.opcheck(torch.ops.lumenbridge.tokenize.default, detached(args, requires_grad=True))
+            for forward in (lib.tokenize.default, lib.tokenize_for_training.default):
+                torch.library.opcheck(forward, detached(args, requires_grad=True))
+
+
+def args_without(arguments, name):
+    return {k: v for k, v in arguments.items() if k != name}
 
 
 def all_gradients(model, images):
@@ -137,22 +154,94 @@ def saved_tensors(run):
 
 
 @pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])
-def test_the_forward_saves_only_its_inputs(uint8, native_ops):
+def test_what_the_forward_saves(uint8, native_ops):
+    """tokenize saves its inputs alone; tokenize_for_training (the model's
+    training call) also each later stage's depthwise rows: for lumenbridge-base
+    at 64 x 64, 16^2 x 104 + 8^2 x 200 + 4^2 x 392 values an image (the
+    README states the 224 x 224 figure), less than the first stage's pointwise
+    output, which eager autograd saves among much else."""
     case = case_named("base")
     model = case.model()
     images = case.images() if uint8 else torch.randn(2, 3, 64, 64).requires_grad_(True)
-    saved = saved_tensors(lambda: native.tokenize(images, model))
+    args = native.tokenize_arguments(images, model)
     parameters = {p.data_ptr() for p in model.parameters()}
-    activations = [t for t in saved if t.data_ptr() not in parameters]
-    assert len(activations) == 1 and activations[0].data_ptr() == images.data_ptr()
-    per_image = activations[0].nbytes // len(images)
-    assert per_image == images[0].nbytes  # 3 x 64 x 64 bytes for uint8, 4x that for float32
-    # Eager autograd saves every stage's activations, the first stage's
-    # pointwise output among them; the op saves less than that one tensor.
+
+    def activations(run):
+        return [t for t in saved_tensors(run) if t.data_ptr() not in parameters]
+
+    only_inputs = activations(lambda: torch.ops.lumenbridge.tokenize(*args))
+    assert len(only_inputs) == 1 and only_inputs[0].data_ptr() == images.data_ptr()
+    assert only_inputs[0].nbytes // len(images) == images[0].nbytes  # 3 x 64 x 64 bytes for uint8, 4x for float32
+
+    training = activations(lambda: native.tokenize(images, model))
+    assert training[0].data_ptr() == images.data_ptr()
+    rows = training[1:]
+    widths = [torch.ops.lumenbridge.depthwise_row_width(c) for c in case.config.stage_widths[:-1]]
+    assert widths == [104, 200, 392]
+    assert [tuple(t.shape) for t in rows] == [(len(images) * s * s, w) for s, w in zip((16, 8, 4), widths)]
+    rows_per_image = sum(t.nbytes for t in rows) // len(images)
+    assert rows_per_image == (16 * 16 * 104 + 8 * 8 * 200 + 4 * 4 * 392) * 4
     eager = saved_tensors(lambda: model.forward_layers(images, "reference"))
     eager_per_image = sum(t.nbytes for t in eager if t.data_ptr() not in parameters) // len(images)
     first_stage_output = case.config.stage_widths[0] * 32 * 32 * 4
-    assert per_image < first_stage_output < eager_per_image
+    assert rows_per_image < first_stage_output < eager_per_image
+
+
+def stage_depthwise_outputs(model, images):
+    """Each stage's depthwise output [N, C, h, w], layer by layer through the reference."""
+    inputs = []
+    hooks = [stage.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for stage in model.stages]
+    try:
+        with torch.no_grad():
+            model.forward_layers(images, "reference")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [
+        torch.nn.functional.conv2d(x, s.dw.weight, s.dw.bias, s.dw.stride, s.dw.padding, groups=s.dw.groups)
+        for x, s in zip(inputs, model.stages, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("device", device_params())
+def test_saved_rows_hold_each_later_stages_depthwise_output(case, dtype, device, poisoned, request):
+    """Every element of the saved rows written (poisoned outputs): the
+    depthwise output within 2x PyTorch's own error in the dtype against
+    float64, then exactly a one and zeros; and the tokens those of tokenize
+    (bitwise where both run the fused kernels: saving changes nothing)."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    model, images = case.model(), case.images()
+    low = copy.deepcopy(model).to(device, dtype)
+    low_images = images.to(device) if images.dtype == torch.uint8 else images.to(device, dtype)
+    args = native.tokenize_arguments(low_images, low)
+    with torch.no_grad():
+        tokens, saved = torch.ops.lumenbridge.tokenize_for_training(*args)
+        plain = torch.ops.lumenbridge.tokenize(*args)
+    if device == "cuda" and native.tokenize_path(device, case.config, dtype) == "fused":
+        assert torch.equal(tokens, plain)
+    else:
+        torch.testing.assert_close(tokens, plain, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-4)
+    exact = stage_depthwise_outputs(
+        copy.deepcopy(model).double(), images if images.dtype == torch.uint8 else images.double()
+    )
+    pytorch = stage_depthwise_outputs(low, low_images)
+    assert len(saved) == len(exact) - 1
+    for rows, d64, d in zip(saved, exact[1:], pytorch[1:], strict=True):
+        cin = d64.shape[1]
+        flat64, flat = (t.permute(0, 2, 3, 1).reshape(-1, cin).cpu().double() for t in (d64, d))
+        rows = rows.cpu().double()
+        assert rows.shape == (len(flat64), torch.ops.lumenbridge.depthwise_row_width(cin))
+        report = ErrorReport(
+            error=(rows[:, :cin] - flat64).abs().max().item(),
+            torch_error=(flat - flat64).abs().max().item(),
+            floor=ROUNDING_FLOOR[dtype] * max(flat64.abs().max().item(), 1.0),
+        )
+        assert report.ok, (cin, report)
+        assert torch.equal(rows[:, cin], torch.ones_like(rows[:, cin]))
+        assert not rows[:, cin + 1 :].any()
 
 
 def test_double_backward_raises_naming_the_op(native_ops):
@@ -171,6 +260,13 @@ def test_double_backward_raises_naming_the_op(native_ops):
         (lambda a: {"grad_tokens": a["grad_tokens"].double()}, "grad_tokens has dtype"),
         (lambda a: {"output_mask": [True, True]}, "uint8 images have no gradient"),
         (lambda a: {"activation": "tanh"}, "activation must be one of"),
+        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 3 tensors .* got 2"),
+        (lambda a: {"saved": [a["saved"][0][:-1], *a["saved"][1:]]}, r"saved\[0\] must have shape \[64, 16\]"),
+        (lambda a: {"saved": [a["saved"][0].double(), *a["saved"][1:]]}, r"saved\[0\] has dtype Double"),
+        (
+            lambda a: {"saved": [a["saved"][0], a["saved"][1].t().contiguous().t(), a["saved"][2]]},
+            r"saved\[1\] must be contiguous",
+        ),
     ],
 )
 def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
@@ -179,6 +275,7 @@ def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
     names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
     args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))
     args["grad_tokens"] = torch.ones(1, 4, 40)
+    args["saved"] = list(torch.ops.lumenbridge.tokenize_for_training(**detached(args_without(args, "grad_tokens")))[1])
     args["output_mask"] = [False, True]
     args.update(change(args))
     with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):

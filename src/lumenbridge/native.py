@@ -1,8 +1,10 @@
 """The Python half of torch.ops.lumenbridge: fake (meta) kernels, so that
 torch.compile can trace the ops, and autograd formulas: the three depthwise
-ops, each another one's gradient, give gradients of any order; tokenize's
-backward is the op tokenize_backward (first order only). The C++ half
-(schemas, checks, kernels, autocast) is in csrc/; extension.py builds and loads it."""
+ops, each another one's gradient, give gradients of any order; the backward
+of tokenize and of tokenize_for_training (tokenize that also returns the
+depthwise rows its backward would otherwise recompute) is the op
+tokenize_backward (first order only). The C++ half (schemas, checks, kernels,
+autocast) is in csrc/; extension.py builds and loads it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from . import extension
 from .layout import memory_format_of
-from .shapes import grid_extent, output_extent
+from .shapes import grid_extent, output_extent, stage_extents
 
 ops = torch.ops.lumenbridge
 
@@ -61,6 +63,19 @@ def _tokenize_fake(
     return dw_weights[0].new_empty(shape)
 
 
+def _tokenize_for_training_fake(images, dw_weights, *args):
+    """The tokens, and each later stage's depthwise rows [N * h * w, row width]."""
+    tokens = _tokenize_fake(images, dw_weights, *args)
+    strides, padded_size = args[3], args[13]
+    k, n = dw_weights[0].shape[-1], images.shape[0]
+    extents = zip(*(stage_extents(extent, k, strides) for extent in padded_size), strict=True)
+    saved = [
+        dw_weights[0].new_empty((n * h * w, ops.depthwise_row_width(weight.shape[0])))
+        for weight, (h, w) in zip(dw_weights[1:], list(extents)[1:], strict=True)
+    ]
+    return tokens, saved
+
+
 def _tokenize_backward_fake(
     grad_tokens,
     images,
@@ -80,6 +95,7 @@ def _tokenize_backward_fake(
     std,
     padded_size,
     output_fmt,
+    saved,
     output_mask,
 ):
     images_grad, parameters_grad = output_mask
@@ -100,20 +116,33 @@ def _tokenize_backward_fake(
     )
 
 
-def _tokenize_setup(ctx, inputs, output):
-    """Save the inputs and nothing else: the backward recomputes the activations."""
+def _save_inputs(ctx, inputs, saved_rows):
+    """Save the inputs and the depthwise rows tokenize_for_training returned
+    (none for tokenize): the backward recomputes the rest."""
     images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
     norm_weights, norm_biases, token_w, token_b = inputs[8:12]
     ctx.save_for_backward(
-        images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b
-    )
-    ctx.counts = len(dw_weights), len(norm_weights)
+        images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b,
+        *saved_rows,
+    )  # fmt: skip
+    ctx.counts = len(dw_weights), len(norm_weights), len(saved_rows)
     ctx.options = inputs[5:8], inputs[12:]  # (strides, activation, stage_norm), (eps, ..., output_fmt)
 
 
+def _tokenize_setup(ctx, inputs, output):
+    _save_inputs(ctx, inputs, [])
+
+
+def _tokenize_for_training_setup(ctx, inputs, output):
+    _, saved_rows = output
+    ctx.mark_non_differentiable(*saved_rows)
+    _save_inputs(ctx, inputs, saved_rows)
+
+
 def _tokenize_backward(ctx, grad):
-    stages, norms = ctx.counts
+    stages, norms, rows = ctx.counts
     images, *saved = ctx.saved_tensors
+    saved, saved_rows = saved[: len(saved) - rows], saved[len(saved) - rows :]
     groups = []
     for length in (stages, stages, stages, stages, norms, norms):
         groups.append(saved[:length])
@@ -126,7 +155,7 @@ def _tokenize_backward(ctx, grad):
     mask = [needs[0], parameters_grad]
     grads = ops.tokenize_backward(
         grad, images, dw_weights, dw_biases, pw_weights, pw_biases, *stage_options,
-        norm_weights, norm_biases, token_w, token_b, *other_options, mask,
+        norm_weights, norm_biases, token_w, token_b, *other_options, saved_rows, mask,
     )  # fmt: skip
     grad_images, *parameter_grads, grad_token_norm = grads
     if not parameters_grad:
@@ -136,6 +165,10 @@ def _tokenize_backward(ctx, grad):
     image = grad_images[0] if grad_images else None
     # None for the options: strides, activation, stage_norm; eps, mean, std, padded_size, output_fmt.
     return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
+
+
+def _tokenize_for_training_backward(ctx, grad, _grad_saved_rows):
+    return _tokenize_backward(ctx, grad)
 
 
 def _no_double_backward(ctx, *grads):
@@ -239,6 +272,12 @@ def register_python_kernels() -> None:
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
     torch.library.register_fake("lumenbridge::tokenize", _tokenize_fake)
     torch.library.register_autograd("lumenbridge::tokenize", _tokenize_backward, setup_context=_tokenize_setup)
+    torch.library.register_fake("lumenbridge::tokenize_for_training", _tokenize_for_training_fake)
+    torch.library.register_autograd(
+        "lumenbridge::tokenize_for_training",
+        _tokenize_for_training_backward,
+        setup_context=_tokenize_for_training_setup,
+    )
     torch.library.register_fake("lumenbridge::tokenize_backward", _tokenize_backward_fake)
     torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)
 
@@ -302,8 +341,20 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
 
 
 def tokenize(images: torch.Tensor, model) -> torch.Tensor:
-    """The whole tokenizer as one call of torch.ops.lumenbridge.tokenize."""
-    return ops.tokenize(*tokenize_arguments(images, model))
+    """The whole tokenizer as one op call: tokenize_for_training where autograd
+    will need a backward (its saved depthwise rows spare the backward most of
+    its recompute), tokenize otherwise."""
+    args = tokenize_arguments(images, model)
+    if torch.is_grad_enabled() and any(_needs_grad(a) for a in args):
+        return ops.tokenize_for_training(*args)[0]
+    return ops.tokenize(*args)
+
+
+def _needs_grad(argument) -> bool:
+    """Whether an op argument (a tensor, a list of them, or an option) requires grad."""
+    if isinstance(argument, list):
+        return any(_needs_grad(a) for a in argument)
+    return isinstance(argument, torch.Tensor) and argument.requires_grad
 
 
 def _stage_norm_arguments(model) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
@@ -332,5 +383,6 @@ def tokenize_backward_path(device_type: str) -> str:
     """How tokenize_backward runs on a device (the same composition on every device, for now)."""
     return (
         "lumenbridge::tokenize_backward, composed from the per-layer kernels and ATen; "
-        "it recomputes the forward from the saved inputs"
+        "it recomputes the forward from the saved inputs and the depthwise rows that "
+        "lumenbridge::tokenize_for_training saves"
     )

@@ -12,8 +12,15 @@ def output_extent(size: int, kernel_size: int, stride: int) -> int:
     return (size + 2 * (kernel_size // 2) - kernel_size) // stride + 1
 
 
-def grid_extent(size: int, kernel_size: int, strides: Sequence[int]) -> int:
-    """One extent of the token grid: the extent after every stage."""
+def stage_extents(size: int, kernel_size: int, strides: Sequence[int]) -> list[int]:
+    """One extent after each stage, in order."""
+    extents = []
     for stride in strides:
         size = output_extent(size, kernel_size, stride)
-    return size
+        extents.append(size)
+    return extents
+
+
+def grid_extent(size: int, kernel_size: int, strides: Sequence[int]) -> int:
+    """One extent of the token grid: the extent after every stage."""
+    return stage_extents(size, kernel_size, strides)[-1] if strides else size

@@ -357,8 +357,9 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
   return p;
 }
 
+// tokenize's and tokenize_for_training's entry (the same arguments).
 template <auto kernel>
-at::Tensor tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
+auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
                           at::TensorList dw_biases, at::TensorList pw_weights,
                           at::TensorList pw_biases, at::IntArrayRef strides,
                           c10::string_view activation, c10::string_view stage_norm,
@@ -374,10 +375,33 @@ at::Tensor tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
                                        std::string(output_fmt)));
 }
 
-// tokenize_backward takes tokenize's arguments plus the gradient of its output
-// and which gradients to compute: output_mask = [images, parameters].
+// What tokenize_for_training saved, handed back: none, or one row matrix per
+// stage after the first, as that op returns them.
+void check_saved_rows(const TokenizeProblem& p, at::TensorList saved, const at::Tensor& images) {
+  if (saved.empty()) return;
+  TORCH_CHECK(saved.size() + 1 == p.stages.size(), "LumenBridge: saved must be empty or hold ",
+              text(static_cast<int64_t>(p.stages.size()) - 1),
+              " tensors (one per stage after the first, as tokenize_for_training returns them), got ",
+              text(static_cast<int64_t>(saved.size())));
+  for (size_t i = 1; i < p.stages.size(); ++i) {
+    const TokenizeStage& s = p.stages[i];
+    const at::Tensor& rows = saved[i - 1];
+    const std::string name = "saved[" + text(static_cast<int64_t>(i - 1)) + "]";
+    check_same_device(images, "images", rows, name.c_str());
+    TORCH_CHECK(rows.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(rows.scalar_type()),
+                " but the parameters have dtype ", text(p.dtype));
+    const std::vector<int64_t> expected{p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)};
+    TORCH_CHECK(rows.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ",
+                text(expected), ", got ", text(rows.sizes()));
+    TORCH_CHECK(rows.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
+  }
+}
+
+// tokenize_backward takes tokenize's arguments plus the gradient of its output,
+// what tokenize_for_training saved (or nothing) and which gradients to
+// compute: output_mask = [images, parameters].
 TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                        TokenizeProblem p, std::array<bool, 2> output_mask) {
+                                        TokenizeProblem p, at::TensorList saved, std::array<bool, 2> output_mask) {
   check_same_device(images, "images", grad_tokens, "grad_tokens");
   TORCH_CHECK(grad_tokens.scalar_type() == p.dtype, "LumenBridge: grad_tokens has dtype ",
               text(grad_tokens.scalar_type()), " but the tokens have the parameters' dtype ", text(p.dtype));
@@ -385,6 +409,7 @@ TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at:
               text(grad_tokens.sizes()), " but the tokens have shape ", text(p.output_sizes()));
   TORCH_CHECK(!(output_mask[0] && p.uint8_input),
               "LumenBridge: uint8 images have no gradient; output_mask[0] must be false for them");
+  check_saved_rows(p, saved, images);
   return p;
 }
 
@@ -399,14 +424,14 @@ tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images,
                         const c10::optional<at::Tensor>& token_norm_weight,
                         const c10::optional<at::Tensor>& token_norm_bias, double eps,
                         at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
-                        c10::string_view output_fmt, std::array<bool, 2> output_mask) {
+                        c10::string_view output_fmt, at::TensorList saved, std::array<bool, 2> output_mask) {
   const TokenizeProblem p = check_tokenize_backward(
       grad_tokens, images,
       check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
                      std::string(stage_norm), norm_weights, norm_biases, token_norm_weight, token_norm_bias,
                      eps, mean, std, padded_size, std::string(output_fmt)),
-      output_mask);
-  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]});
+      saved, output_mask);
+  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]}, saved.vec());
   std::vector<at::Tensor> grad_images, token_norm;
   if (g.images.defined()) grad_images.push_back(g.images);
   if (g.token_norm_weight.defined()) token_norm = {g.token_norm_weight, g.token_norm_bias};
@@ -414,11 +439,15 @@ tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images,
           token_norm};
 }
 
-// Autocast: tokenize runs in the autocast dtype, as PyTorch's convolutions do
-// (float64 tensors and uint8 images are left as they are). The casts are
-// ordinary differentiable ops, so float32 parameters get float32 gradients.
-template <c10::DeviceType device>
-at::Tensor tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
+// Autocast: tokenize (and tokenize_for_training, whose result type is
+// Result) runs in the autocast dtype, as PyTorch's convolutions do (float64
+// tensors and uint8 images are left as they are). The casts are ordinary
+// differentiable ops, so float32 parameters get float32 gradients.
+constexpr char kTokenize[] = "lumenbridge::tokenize";
+constexpr char kTokenizeForTraining[] = "lumenbridge::tokenize_for_training";
+
+template <c10::DeviceType device, const char* name, typename Result>
+Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
                              at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
                              c10::string_view activation, c10::string_view stage_norm,
                              at::TensorList norm_weights, at::TensorList norm_biases,
@@ -430,8 +459,8 @@ at::Tensor tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
   const auto cast = [dtype](const auto& t) { return at::autocast::cached_cast(dtype, t, device); };
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("lumenbridge::tokenize", "")
-                             .typed<decltype(tokenize_autocast<device>)>();
+                             .findSchemaOrThrow(name, "")
+                             .typed<decltype(tokenize_autocast<device, name, Result>)>();
   return op.call(cast(images), cast(dw_weights), cast(dw_biases), cast(pw_weights), cast(pw_biases), strides,
                  activation, stage_norm, cast(norm_weights), cast(norm_biases), cast(token_norm_weight),
                  cast(token_norm_bias), eps, mean, std, padded_size, output_fmt);
@@ -487,16 +516,23 @@ TORCH_LIBRARY(lumenbridge, m) {
       "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
       "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> Tensor");
   m.def(
+      "tokenize_for_training(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
+      "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
+      "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
+      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> (Tensor tokens, Tensor[] saved)");
+  m.def(
       "tokenize_backward(Tensor grad_tokens, Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, "
       "Tensor[] pw_weights, Tensor[] pw_biases, int[] strides, str activation, str stage_norm, "
       "Tensor[] norm_weights, Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, "
-      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, bool[2] output_mask) -> "
+      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, Tensor[] saved, "
+      "bool[2] output_mask) -> "
       "(Tensor[] grad_images, Tensor[] grad_dw_weights, Tensor[] grad_dw_biases, Tensor[] grad_pw_weights, "
       "Tensor[] grad_pw_biases, Tensor[] grad_norm_weights, Tensor[] grad_norm_biases, "
       "Tensor[] grad_token_norm)");
   m.def("tokenize_path(ScalarType dtype, int in_channels, int[] widths, int kernel_size, int[] strides, "
       "str stage_norm) -> str",
         &tokenize_path);
+  m.def("depthwise_row_width(int in_channels) -> int", &depthwise_row_width);
   m.def("_set_poison_outputs(bool enabled) -> ()", &set_poison_outputs);
 }
 
@@ -506,15 +542,20 @@ TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cpu::depthwise_backward_weight>);
   m.impl("tokenize", &tokenize_entry<cpu::tokenize>);
+  m.impl("tokenize_for_training", &tokenize_entry<cpu::tokenize_for_training>);
   m.impl("tokenize_backward", &tokenize_backward_entry<cpu::tokenize_backward>);
 }
 
+using TrainingResult = std::tuple<at::Tensor, SavedRows>;
+
 TORCH_LIBRARY_IMPL(lumenbridge, AutocastCPU, m) {
-  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CPU>);
+  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CPU, kTokenize, at::Tensor>);
+  m.impl("tokenize_for_training", &tokenize_autocast<c10::DeviceType::CPU, kTokenizeForTraining, TrainingResult>);
 }
 
 TORCH_LIBRARY_IMPL(lumenbridge, AutocastCUDA, m) {
-  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CUDA>);
+  m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CUDA, kTokenize, at::Tensor>);
+  m.impl("tokenize_for_training", &tokenize_autocast<c10::DeviceType::CUDA, kTokenizeForTraining, TrainingResult>);
 }
 
 #ifdef LUMENBRIDGE_WITH_CUDA
@@ -525,6 +566,7 @@ TORCH_LIBRARY_IMPL(lumenbridge, CUDA, m) {
   m.impl("depthwise_conv2d_backward_weight",
          &backward_weight_entry<cuda::depthwise_backward_weight>);
   m.impl("tokenize", &tokenize_entry<cuda::tokenize>);
+  m.impl("tokenize_for_training", &tokenize_entry<cuda::tokenize_for_training>);
   m.impl("tokenize_backward", &tokenize_backward_entry<cuda::tokenize_backward>);
 }
 #endif

@@ -5,10 +5,12 @@
 //   cuda: the fused stage kernels (cuda/tokenize_fused.cu) where they cover the
 //         problem, else the same composition over the CUDA depthwise kernels.
 // Its backward, lumenbridge::tokenize_backward, is composed on both devices
-// (tokenize_backward.cpp).
+// (tokenize_backward.cpp). lumenbridge::tokenize_for_training is tokenize that
+// also returns what the backward would otherwise recompute first.
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "activated_depthwise.h"
@@ -88,22 +90,40 @@ struct BackwardKernels {
   decltype(&layer_norm_backward_aten) layer_norm_backward;
 };
 
+// ---- what the training forward saves -------------------------------------------
+// Each stage after the first's depthwise output d, as the backward's pointwise
+// GEMMs take it: rows [N * h * w, depthwise_row_width(Cin)] holding d's
+// channels, a one (the bias's column), then zeros. With them the backward
+// skips recomputing the depthwise convolutions of those stages.
+int64_t depthwise_row_width(int64_t in_channels);
+using SavedRows = std::vector<at::Tensor>;  // stages 1 .. S - 1, or empty: recompute them
+
+// tokenize_for_training composed from the device's kernels and ATen: the
+// backward's recompute, kept (tokenize_backward.cpp).
+std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
+                                                                 const TokenizeProblem& p,
+                                                                 const BackwardKernels& kernels);
+
 // The backward composed from the device's kernels and ATen, for any device;
 // grad_tokens has the forward output's sizes, any strides.
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const BackwardKernels& kernels);
+                                         const BackwardKernels& kernels, const SavedRows& saved);
 
-// The tokenize and tokenize_backward entries of each device.
+// The tokenize, tokenize_for_training and tokenize_backward entries of each device.
 namespace cpu {
+BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
+std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask);
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved);
 }  // namespace cpu
 namespace cuda {
+BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
+std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask);
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved);
 // Why the fused kernels do not cover a configuration ("" when they do); the
 // one statement of what they support. `widths` and `strides` are per stage.
 std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,

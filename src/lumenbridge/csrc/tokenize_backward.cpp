@@ -1,11 +1,15 @@
 // lumenbridge::tokenize_backward, composed: the gradients of the whole
-// tokenizer from its inputs alone, the same code on every device.
+// tokenizer from its inputs, the same code on every device; and the composed
+// lumenbridge::tokenize_for_training, which is its recompute, kept.
 //
-// Autograd saves only the op's arguments (the images and the parameters), so
-// training holds no activations between forward and backward. The backward
-// first recomputes the forward once, keeping each stage's pointwise output
-// p_i (before its norm) and, for the weight gradients, its depthwise output
-// d_i; then, from the last stage down, it takes the stage's gradients:
+// The backward first recomputes the forward once, keeping each stage's
+// pointwise output p_i (before its norm) and, for the weight gradients, its
+// depthwise output d_i, as GEMM rows. tokenize_for_training returns the rows
+// of d_i for every stage after the first (SavedRows; written by the fused
+// kernels as they go on CUDA), which autograd keeps between forward and
+// backward: then the recompute is the GEMMs alone, except for the images'
+// stage. With tokenize's own autograd (nothing saved) it recomputes all.
+// Then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
 //   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
@@ -62,12 +66,11 @@ Activation activation_before(size_t stage, const TokenizeProblem& p) {
 // takes slow unaligned kernels for an inner dimension of 3 (the images').
 constexpr int64_t kGemmColumns = 8;
 int64_t padding_columns(int64_t columns) { return (kGemmColumns - columns % kGemmColumns) % kGemmColumns; }
-int64_t gemm_columns(int64_t channels) { return channels + 1 + padding_columns(channels + 1); }
 
-// The pointwise weight and bias as the forward GEMM's [Cout, gemm_columns(Cin)].
+// The pointwise weight and bias as the forward GEMM's [Cout, depthwise_row_width(Cin)].
 at::Tensor pointwise_matrix(const TokenizeStage& s) {
   const int64_t cin = s.in_channels;
-  at::Tensor w = at::zeros({s.out_channels, gemm_columns(cin)}, s.pw_weight.options());
+  at::Tensor w = at::zeros({s.out_channels, depthwise_row_width(cin)}, s.pw_weight.options());
   w.narrow(1, 0, cin).copy_(s.pw_weight.view({s.out_channels, cin}));
   w.select(1, cin).copy_(s.pw_bias);
   return w;
@@ -87,7 +90,7 @@ at::Tensor input_gradient_weight(const TokenizeStage& s) {
 // weight gradient.
 at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeStage& s, const DepthwiseProblem& dw,
                           Activation activation, const BackwardKernels& kernels) {
-  const int64_t cin = s.in_channels, pad = gemm_columns(cin) - cin;
+  const int64_t cin = s.in_channels, pad = depthwise_row_width(cin) - cin;
   at::Tensor r = new_output({dw.N * dw.Ho * dw.Wo, cin + pad}, pre.options(), at::MemoryFormat::Contiguous);
   at::Tensor ones_then_zeros = at::zeros({1, pad}, r.options());
   ones_then_zeros.select(1, 0).fill_(1);
@@ -155,23 +158,26 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
 // The forward once more: each stage's pointwise output (before its norm)
 // and, for the pointwise weight gradients, its depthwise output as the GEMMs'
 // rows (a quarter of the pointwise outputs' bytes at the presets' widths,
-// kept rather than recomputed).
+// kept rather than recomputed), taken from `saved` where the training
+// forward saved them.
 struct Recomputed {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> depthwise;
 };
 Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const BackwardKernels& kernels,
-                             bool keep_depthwise) {
+                             bool keep_depthwise, const SavedRows& saved) {
   Recomputed r;
   at::Tensor pre = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const Layout layout = depthwise_layout(s);
-    at::Tensor rows_of_d = depthwise_rows(dense(pre, layout), s, stage_depthwise_problem(p, i, layout),
-                                          activation_before(i, p), kernels);
+    at::Tensor rows_of_d = i > 0 && !saved.empty()
+                               ? saved[i - 1]
+                               : depthwise_rows(dense(pre, layout), s, stage_depthwise_problem(p, i, layout),
+                                                activation_before(i, p), kernels);
     r.outputs.push_back(pointwise(rows_of_d, s, p));
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
-    if (i + 1 < p.stages.size()) pre = apply_stage_norm(r.outputs.back(), s, p);
+    if (i + 1 < p.stages.size() && saved.empty()) pre = apply_stage_norm(r.outputs.back(), s, p);
   }
   return r;
 }
@@ -217,12 +223,23 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
 
 }  // namespace
 
+int64_t depthwise_row_width(int64_t in_channels) { return in_channels + 1 + padding_columns(in_channels + 1); }
+
+std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
+                                                                 const TokenizeProblem& p,
+                                                                 const BackwardKernels& kernels) {
+  const at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
+  Recomputed forward = recompute_forward(x0, p, kernels, true, {});
+  at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
+  return {tokens, SavedRows(forward.depthwise.begin() + 1, forward.depthwise.end())};
+}
+
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const BackwardKernels& kernels) {
+                                         const BackwardKernels& kernels, const SavedRows& saved) {
   const size_t S = p.stages.size();
   at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters);
+  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;
   TokenizeGrads grads;
   if (mask.parameters) {
@@ -267,23 +284,31 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
 }
 
 namespace cpu {
+BackwardKernels backward_kernels() {
+  return {&cpu::activated_depthwise_forward_into, &cpu::activated_depthwise_backward_input,
+          &cpu::activated_depthwise_backward_weight, &layer_norm_backward_aten};
+}
+
+std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+  return tokenize_for_training_composed(images, p, backward_kernels());
+}
+
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask) {
-  return tokenize_backward_composed(
-      grad_tokens, images, p, mask,
-      {&cpu::activated_depthwise_forward_into, &cpu::activated_depthwise_backward_input,
-       &cpu::activated_depthwise_backward_weight, &layer_norm_backward_aten});
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved) {
+  return tokenize_backward_composed(grad_tokens, images, p, mask, backward_kernels(), saved);
 }
 }  // namespace cpu
 
 #ifdef LUMENBRIDGE_WITH_CUDA
 namespace cuda {
+BackwardKernels backward_kernels() {
+  return {&cuda::activated_depthwise_forward_into, &cuda::activated_depthwise_backward_input,
+          &cuda::activated_depthwise_backward_weight, &cuda::layer_norm_backward};
+}
+
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask) {
-  return tokenize_backward_composed(
-      grad_tokens, images, p, mask,
-      {&cuda::activated_depthwise_forward_into, &cuda::activated_depthwise_backward_input,
-       &cuda::activated_depthwise_backward_weight, &cuda::layer_norm_backward});
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved) {
+  return tokenize_backward_composed(grad_tokens, images, p, mask, backward_kernels(), saved);
 }
 }  // namespace cuda
 #endif

@@ -86,7 +86,11 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
     x = apply_stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
     if (i + 1 < p.stages.size()) x = activate(x, p.activation);
   }
-  at::Tensor tokens = x.permute({0, 2, 3, 1});  // [N, h, w, D]
+  return tokens_from(x, p);
+}
+
+at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p) {
+  at::Tensor tokens = last.permute({0, 2, 3, 1});  // [N, h, w, D]
   if (p.has_token_norm()) {
     tokens = at::layer_norm(tokens, {p.embed_dim()}, p.token_norm_weight, p.token_norm_bias, p.eps);
   }

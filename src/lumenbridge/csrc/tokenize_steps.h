@@ -21,4 +21,8 @@ DepthwiseProblem stage_depthwise_problem(const TokenizeProblem& p, size_t stage,
 // Dense NCHW or NHWC, whichever the depthwise kernels read for this layout.
 at::Tensor dense(const at::Tensor& x, Layout layout);
 
+// The op's output from the last stage's normed output [N, D, h, w]: the token
+// norm, then the requested format.
+at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p);
+
 }  // namespace lumenbridge

@@ -7,7 +7,7 @@
 // rows by its own columns of the pointwise weight, read straight from the
 // nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
 // per 32 input channels. That load holds 8 consecutive input channels, so A's
-// columns are stored permuted to match (a_column); no packed copy of the
+// columns are stored permuted to match (store_a8); no packed copy of the
 // weights exists anywhere.
 #pragma once
 
@@ -102,6 +102,14 @@ __device__ __forceinline__ void store_a8(T* row, int c0, const float (&v)[8]) {
   T* p = row + (c0 & ~31) + 2 * ((c0 & 31) >> 3);
 #pragma unroll
   for (int i = 0; i < 4; ++i) *reinterpret_cast<uint32_t*>(p + 8 * i) = pack2<T>(v[2 * i], v[2 * i + 1]);
+}
+
+// Channels c0 .. c0+7 of one A row in channel order, as one 16-byte unit:
+// store_a8's inverse.
+template <typename T>
+__device__ __forceinline__ uint4 load_a8(const T* row, int c0) {
+  const auto* p = reinterpret_cast<const uint32_t*>(row + (c0 & ~31) + 2 * ((c0 & 31) >> 3));
+  return make_uint4(p[0], p[4], p[8], p[12]);
 }
 
 // ---- GEMM ------------------------------------------------------------------

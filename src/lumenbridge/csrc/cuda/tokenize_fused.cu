@@ -40,6 +40,8 @@ struct StageGemm {
   int k_padded;  // Cin rounded up to kChannelGroup
   ActivationForm act;
   TileOutput<T> output;
+  T* saved_rows;  // tokenize_for_training: A's rows, [pixels, saved_width]; else null
+  int saved_width;
 };
 
 // Shared memory of a block: row bookkeeping, A, then a region that holds the
@@ -67,12 +69,30 @@ bool two_blocks_fit(size_t shared_bytes) {
   return 2 * (shared_bytes + reserved) <= kMaxSharedBytes;
 }
 
-// The GEMM and the epilogue, once a block's A tile is complete.
+// Copies a complete A tile, the depthwise output, into the saved rows in
+// channel order, then a one at column Cin and zeros (the backward's GEMM
+// rows, tokenize.h), 16 bytes at a time. A is zero past Cin.
+template <typename T>
+__device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGemm<T>& s, const RowInfo& rows) {
+  const int cin = s.pw.in_channels;
+  for (GridCursor at(s.saved_width / 8); at.row < kTileRows; at.advance()) {
+    const int64_t pixel = rows.pixel[at.row];
+    if (pixel < 0) continue;
+    const int c0 = at.column * 8;
+    uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
+    if (c0 <= cin && cin < c0 + 8) reinterpret_cast<T*>(&chunk)[cin - c0] = T(1.0f);
+    *reinterpret_cast<uint4*>(s.saved_rows + pixel * s.saved_width + c0) = chunk;
+  }
+}
+
+// The GEMM and the epilogue, once a block's A tile is complete (and, for
+// tokenize_for_training, A saved on the way).
 template <typename T>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
                              RowInfo& rows) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
+  if (s.saved_rows != nullptr) save_depthwise_rows<T>(a_tile, padded_stride(s.k_padded), s, rows);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
   if (s.pw.vector) {
     gemm_tile<T, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
@@ -706,8 +726,10 @@ void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// `saved`: where tokenize_for_training keeps the stage's depthwise rows (undefined for tokenize).
 template <typename T>
-StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOutput<T>& output) {
+StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOutput<T>& output,
+                        const at::Tensor& saved) {
   StageGemm<T> g;
   g.dw_weight = stage.dw_weight.data_ptr<T>();
   g.dw_bias = stage.dw_bias.data_ptr<T>();
@@ -719,6 +741,8 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOu
   g.k_padded = round_up(static_cast<int>(stage.in_channels), kChannelGroup);
   g.act = activation_form<T>(act);
   g.output = output;
+  g.saved_rows = saved.defined() ? saved.data_ptr<T>() : nullptr;
+  g.saved_width = saved.defined() ? static_cast<int>(saved.size(1)) : 0;
   return g;
 }
 
@@ -738,11 +762,12 @@ TileOutput<T> tile_output(at::Tensor& out, const TokenizeStage& stage, bool last
 }
 
 template <typename T, int K>
-void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last) {
+void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
+                  const at::Tensor& saved) {
   const TokenizeStage& s1 = p.stages[0];
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;
-  a.gemm = stage_gemm<T>(s2, last ? Activation::NONE : p.activation, tile_output<T>(out, s2, last, p));
+  a.gemm = stage_gemm<T>(s2, last ? Activation::NONE : p.activation, tile_output<T>(out, s2, last, p), saved);
   a.images = images.data_ptr();
   a.uint8_input = p.uint8_input;
   a.nhwc = p.layout == Layout::NHWC;
@@ -788,11 +813,13 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
 }
 
 template <typename T, int K>
-void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, at::Tensor& out, bool last) {
+void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, at::Tensor& out, bool last,
+                  const at::Tensor& saved) {
   const TokenizeStage& stage = p.stages[i];
   const TokenizeStage& before = p.stages[i - 1];
   StageArgs<T> a;
-  a.gemm = stage_gemm<T>(stage, last ? Activation::NONE : p.activation, tile_output<T>(out, stage, last, p));
+  a.gemm =
+      stage_gemm<T>(stage, last ? Activation::NONE : p.activation, tile_output<T>(out, stage, last, p), saved);
   a.input = input.data_ptr<T>();
   a.H = static_cast<int>(before.out_h);
   a.W = static_cast<int>(before.out_w);
@@ -816,8 +843,10 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   }
 }
 
+// The tokens; with `saved` (stages 1 .. S - 1's rows, or empty) the kernels
+// also write each stage's depthwise rows into it.
 template <typename T, int K>
-at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p) {
+at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedRows& saved) {
   at::Tensor tokens = new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
   const size_t S = p.stages.size();
   auto stage_output = [&](size_t i) {
@@ -825,11 +854,12 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p) {
     const TokenizeStage& s = p.stages[i];
     return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, images.options().dtype(p.dtype));
   };
+  auto saved_rows = [&](size_t i) { return saved.empty() ? at::Tensor() : saved[i - 1]; };
   at::Tensor x = stage_output(1);
-  launch_first<T, K>(images, p, x, S == 2);
+  launch_first<T, K>(images, p, x, S == 2, saved_rows(1));
   for (size_t i = 2; i < S; ++i) {
     at::Tensor y = stage_output(i);
-    launch_stage<T, K>(x, p, i, y, i + 1 == S);
+    launch_stage<T, K>(x, p, i, y, i + 1 == S, saved_rows(i));
     x = y;
   }
   return tokens;
@@ -869,26 +899,50 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
   return "";
 }
 
-at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
-  const c10::cuda::CUDAGuard guard(images.device());
+namespace {
+
+bool fused_covers(const TokenizeProblem& p) {
   std::vector<int64_t> widths, strides;
   for (const TokenizeStage& s : p.stages) {
     widths.push_back(s.out_channels);
     strides.push_back(s.stride);
   }
-  if (!fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty()) {
-    return tokenize_composed(images, p, &cuda::depthwise_forward);
-  }
+  return fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty();
+}
+
+at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedRows& saved) {
   TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62) && p.H <= kMaxExtent && p.W <= kMaxExtent,
               "LumenBridge: images too large for the fused kernels, got ", text({p.N, p.C, p.H, p.W}));
   at::Tensor result;
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<T, decltype(k)::value>(images, p, saved); });
+  };
   AT_DISPATCH_SWITCH(p.dtype, "lumenbridge_tokenize_fused",
-                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] {
-                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(images, p); });
-                     }) AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] {
-                       dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<scalar_t, decltype(k)::value>(images, p); });
-                     }));
+                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { run(scalar_t{}); })
+                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { run(scalar_t{}); }));
   return result;
+}
+
+}  // namespace
+
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
+  const c10::cuda::CUDAGuard guard(images.device());
+  if (!fused_covers(p)) return tokenize_composed(images, p, &cuda::depthwise_forward);
+  return tokenize_fused(images, p, {});
+}
+
+std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+  const c10::cuda::CUDAGuard guard(images.device());
+  if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
+  SavedRows saved;
+  for (size_t i = 1; i < p.stages.size(); ++i) {
+    const TokenizeStage& s = p.stages[i];
+    saved.push_back(new_output({p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)},
+                               images.options().dtype(p.dtype), at::MemoryFormat::Contiguous));
+  }
+  at::Tensor tokens = tokenize_fused(images, p, saved);
+  return {tokens, saved};
 }
 
 }  // namespace cuda

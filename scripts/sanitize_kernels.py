@@ -81,8 +81,9 @@ for case in tokenize_cases() if "backward" in parts else ():
     model = case.model().to("cuda", torch.bfloat16)
     images = case.images().to("cuda")
     images = images if images.dtype == torch.uint8 else images.to(torch.bfloat16).requires_grad_(True)
-    args = native.tokenize_arguments(images, model)
-    ops.tokenize_for_training(*args)[0].float().sum().backward()
-    ops.tokenize(*args).float().sum().backward()
+    # Arguments built per call: an eval-mode BatchNorm's are computed from its
+    # parameters, a graph that one backward frees.
+    ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
+    ops.tokenize(*native.tokenize_arguments(images, model)).float().sum().backward()
 torch.cuda.synchronize()
 print("sanitize_kernels: ran", ", ".join(parts))

@@ -230,7 +230,7 @@ def test_saved_rows_hold_each_later_stages_depthwise_output(case, dtype, device,
         plain = torch.ops.lumenbridge.tokenize(*args)
     if device == "cuda" and native.tokenize_path(device, case.config, dtype) == "fused":
         assert torch.equal(tokens, plain)
-    report = compare_to_float64(model, images, tokens, dtype)
+    report = compare_to_float64(model, low_images, tokens, dtype)
     assert report.ok, report
     exact = stage_depthwise_outputs(
         copy.deepcopy(model).double(), images if images.dtype == torch.uint8 else images.double()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA, device_params
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lumenbridge import VisualTokenizer, native
 from lumenbridge.testing import (
@@ -192,6 +193,29 @@ def test_what_the_forward_saves(uint8, native_ops):
     eager_per_image = sum(t.nbytes for t in eager if t.data_ptr() not in parameters) // len(images)
     first_stage_output = case.config.stage_widths[0] * 32 * 32 * 4
     assert rows_per_image < first_stage_output < eager_per_image
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every ATen op that runs under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_saved_rows_get_no_materialized_gradient(native_ops):
+    """Autograd hands tokenize_for_training's backward no zeros for the rows
+    (they would be as large as the rows themselves)."""
+    model = VisualTokenizer(NARROW, seed=0)
+    tokens = native.tokenize(torch.randn(2, 3, 32, 32), model)
+    with OpNames() as ops:
+        tokens.sum().backward()
+    assert not [name for name in ops.names if "zeros" in name or "fill" in name]
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def stage_depthwise_outputs(model, images):

@@ -152,19 +152,7 @@ struct NhwcQuadTile : NhwcLanes {
 
 // The slope the NHWC stride-2 kernel scales its stores by: bf16 and fp16
 // GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
-struct OutputSlope {
-  Activation kind;
-  GeluSlopeForm gelu;  // bf16 and fp16 only
-};
-
-template <typename T>
-OutputSlope make_output_slope(Activation kind) {
-  if constexpr (std::is_same_v<T, float>) {
-    return {kind, GeluSlopeForm{}};
-  } else {
-    return {kind, gelu_slope_form<T>()};
-  }
-}
+using OutputSlope = PackedChoice<GeluSlopeForm>;
 
 // Scales a thread's L gradients at one pixel by act'(pre) there. The choice
 // is uniform across the grid.
@@ -176,7 +164,7 @@ __device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T
       const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
 #pragma unroll
       for (int h = 0; h < L / 2; ++h) {
-        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.gelu));
+        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.form));
         value[2 * h] *= s.x;
         value[2 * h + 1] *= s.y;
       }
@@ -341,7 +329,7 @@ void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input, const 
     const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
     const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
     kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
-        grad_output, weight, grad_input, pre, make_output_slope<T>(activation), static_cast<int>(p.C),
+        grad_output, weight, grad_input, pre, OutputSlope{activation, gelu_slope_form<T>()}, static_cast<int>(p.C),
         static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
         chunk_width<T>(p.C, grad_output), chunk_width<T>(p.C, pre), vector_stores, space, tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -111,18 +111,11 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 // (activate_pair, about 4.5 instructions a value; the exact erf form cost
 // more than the pass it replaced, benchmarks/NOTES.md step 22), float in
 // ATen's exact form.
-struct InputActivation {
-  Activation kind;
-  ActivationForm form;  // bf16 and fp16 only
-};
+using InputActivation = PackedChoice<ActivationForm>;
 
 template <typename T>
 InputActivation make_input_activation(Activation kind) {
-  if constexpr (std::is_same_v<T, float>) {
-    return {kind, ActivationForm{}};
-  } else {
-    return {kind, activation_form<T>(kind)};
-  }
+  return {kind, activation_form<T>(kind)};
 }
 
 // Applies the activation in place to the chunks this thread copied with

@@ -69,18 +69,31 @@ uint32_t splat(float v) {
   return bits | bits << 16;
 }
 
+// Empty for float, whose kernels evaluate ATen's forms instead.
 template <typename T>
 ActivationForm activation_form(Activation act) {
-  const float largest = static_cast<float>(std::numeric_limits<T>::max());
-  float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, q = 0.0f;
-  switch (act) {
-    case Activation::GELU: p0 = GeluFit::kP0, p1 = GeluFit::kP1, p2 = GeluFit::kP2; break;
-    case Activation::SILU: p0 = 0.5f; break;
-    case Activation::RELU: p0 = largest; break;
-    case Activation::NONE: q = largest; break;
+  if constexpr (std::is_same_v<T, float>) {
+    return {};
+  } else {
+    const float largest = static_cast<float>(std::numeric_limits<T>::max());
+    float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, q = 0.0f;
+    switch (act) {
+      case Activation::GELU: p0 = GeluFit::kP0, p1 = GeluFit::kP1, p2 = GeluFit::kP2; break;
+      case Activation::SILU: p0 = 0.5f; break;
+      case Activation::RELU: p0 = largest; break;
+      case Activation::NONE: q = largest; break;
+    }
+    return {splat<T>(p0), splat<T>(p1), splat<T>(p2), splat<T>(q), splat<T>(GeluFit::kClamp), splat<T>(0.5f)};
   }
-  return {splat<T>(p0), splat<T>(p1), splat<T>(p2), splat<T>(q), splat<T>(GeluFit::kClamp), splat<T>(0.5f)};
 }
+
+// An activation as a kernel argument: its kind and a packed form's constants
+// (activation_form, gelu_slope_form), which the kernels use for bf16 and fp16.
+template <typename Form>
+struct PackedChoice {
+  Activation kind;
+  Form form;
+};
 
 // The packed instructions on pairs of T held in 32-bit registers.
 template <typename T>
@@ -166,11 +179,16 @@ struct GeluSlopeForm {
   uint32_t p0, p1, p2, d1, d2, clamp, half, one;  // each a pair of equal values of T
 };
 
+// Empty for float, whose kernels evaluate ATen's form instead.
 template <typename T>
 GeluSlopeForm gelu_slope_form() {
-  return {splat<T>(GeluFit::kP0),        splat<T>(GeluFit::kP1),        splat<T>(GeluFit::kP2),
-          splat<T>(3.0f * GeluFit::kP1), splat<T>(5.0f * GeluFit::kP2), splat<T>(GeluFit::kClamp),
-          splat<T>(0.5f),                splat<T>(1.0f)};
+  if constexpr (std::is_same_v<T, float>) {
+    return {};
+  } else {
+    return {splat<T>(GeluFit::kP0),        splat<T>(GeluFit::kP1),        splat<T>(GeluFit::kP2),
+            splat<T>(3.0f * GeluFit::kP1), splat<T>(5.0f * GeluFit::kP2), splat<T>(GeluFit::kClamp),
+            splat<T>(0.5f),                splat<T>(1.0f)};
+  }
 }
 
 // act'(v) for a packed pair v of T, packed the same way.

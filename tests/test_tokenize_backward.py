@@ -89,7 +89,10 @@ def detached(args, requires_grad=False):
 )
 @pytest.mark.parametrize(
     "call",
-    [torch.ops.lumenbridge.tokenize, lambda *args: torch.ops.lumenbridge.tokenize_for_training(*args)[0]],
+    [
+        lambda *args: torch.ops.lumenbridge.tokenize(*args),
+        lambda *args: torch.ops.lumenbridge.tokenize_for_training(*args)[0],
+    ],
     ids=["tokenize", "tokenize_for_training"],
 )
 def test_gradcheck_in_float64(config, images, call, native_ops):

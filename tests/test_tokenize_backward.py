@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import HAS_CUDA, device_params
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,6 +130,19 @@ def test_opcheck(device, native_ops):
 
 def args_without(arguments, name):
     return {k: v for k, v in arguments.items() if k != name}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_training_ops_fake_gives_its_shapes(case, native_ops):
+    """tokenize_for_training's fake kernel against the op on every sample case
+    (strides of 1, odd sizes, padding, two and three stages)."""
+    args = native.tokenize_arguments(case.images(), case.model())
+    tokens, saved = torch.ops.lumenbridge.tokenize_for_training(*args)
+    with FakeTensorMode() as mode:
+        fake_args = pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
+        fake_tokens, fake_saved = torch.ops.lumenbridge.tokenize_for_training(*fake_args)
+    assert fake_tokens.shape == tokens.shape
+    assert [t.shape for t in fake_saved] == [t.shape for t in saved]
 
 
 def all_gradients(model, images):

@@ -359,15 +359,12 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
 
 // tokenize's and tokenize_for_training's entry (the same arguments).
 template <auto kernel>
-auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights,
-                          at::TensorList dw_biases, at::TensorList pw_weights,
-                          at::TensorList pw_biases, at::IntArrayRef strides,
-                          c10::string_view activation, c10::string_view stage_norm,
-                          at::TensorList norm_weights, at::TensorList norm_biases,
-                          const c10::optional<at::Tensor>& token_norm_weight,
-                          const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                          at::ArrayRef<double> mean, at::ArrayRef<double> std,
-                          at::IntArrayRef padded_size, c10::string_view output_fmt) {
+auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
+                    at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
+                    c10::string_view activation, c10::string_view stage_norm, at::TensorList norm_weights,
+                    at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
+                    const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
+                    at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
   return kernel(images, check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases,
                                        strides, std::string(activation), std::string(stage_norm),
                                        norm_weights, norm_biases, token_norm_weight,
@@ -448,13 +445,11 @@ constexpr char kTokenizeForTraining[] = "lumenbridge::tokenize_for_training";
 
 template <c10::DeviceType device, const char* name, typename Result>
 Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
-                             at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
-                             c10::string_view activation, c10::string_view stage_norm,
-                             at::TensorList norm_weights, at::TensorList norm_biases,
-                             const c10::optional<at::Tensor>& token_norm_weight,
-                             const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                             at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
-                             c10::string_view output_fmt) {
+                         at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
+                         c10::string_view activation, c10::string_view stage_norm, at::TensorList norm_weights,
+                         at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
+                         const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
+                         at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
   const auto cast = [dtype](const auto& t) { return at::autocast::cached_cast(dtype, t, device); };

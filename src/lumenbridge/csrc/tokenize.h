@@ -67,8 +67,9 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
                              DepthwiseEntry depthwise);
 
 // ---- lumenbridge::tokenize_backward ---------------------------------------------
-// The gradients of tokenize from its arguments alone: the backward recomputes
-// the forward, so autograd saves nothing but the inputs (tokenize_backward.cpp).
+// The gradients of tokenize from its arguments and, from tokenize_for_training,
+// the saved depthwise rows (SavedRows): the backward recomputes the rest of the
+// forward (tokenize_backward.cpp).
 // A field that was not asked for (images for uint8 input, or every parameter
 // when only the images need a gradient) stays undefined or empty.
 struct TokenizeGrads {
@@ -84,7 +85,7 @@ struct TokenizeGradMask {
 
 // One device's kernels, as the composed backward takes them.
 struct BackwardKernels {
-  decltype(&cpu::activated_depthwise_forward_into) depthwise_forward;
+  decltype(&cpu::activated_depthwise_forward_into) depthwise_forward_into;
   decltype(&cpu::activated_depthwise_backward_input) depthwise_backward_input;
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
   decltype(&layer_norm_backward_aten) layer_norm_backward;

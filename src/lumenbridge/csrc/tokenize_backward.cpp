@@ -96,7 +96,7 @@ at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeStage& s, const D
   ones_then_zeros.select(1, 0).fill_(1);
   r.narrow(1, cin, pad).copy_(ones_then_zeros.expand({r.size(0), pad}));
   at::Tensor d = from_rows(r.narrow(1, 0, cin), dw.N, dw.Ho, dw.Wo);
-  kernels.depthwise_forward(pre, s.dw_weight, s.dw_bias, dw, activation, d);
+  kernels.depthwise_forward_into(pre, s.dw_weight, s.dw_bias, dw, activation, d);
   return r;
 }
 

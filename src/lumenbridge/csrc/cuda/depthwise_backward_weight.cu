@@ -307,8 +307,8 @@ void launch_pass1(const at::Tensor& grad_output, const at::Tensor& input, Activa
              Tile::kSharedBytes, stream>>>(
         go, in, partials, static_cast<int>(p.C), static_cast<int>(p.H), static_cast<int>(p.W),
         static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in),
-        chunk_width<T>(p.C, go), make_input_activation<T>(input_activation), space, static_cast<int>(split.items),
-        split.tiles_per_block, chunks);
+        chunk_width<T>(p.C, go), InputActivation{input_activation, activation_form<T>(input_activation)}, space,
+        static_cast<int>(split.items), split.tiles_per_block, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -156,7 +156,7 @@ void launch(const at::Tensor& input, const at::Tensor& weight, const at::Tensor&
       in, weight.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<T>() : nullptr, out,
       static_cast<int>(p.C), static_cast<int>(pitch), static_cast<int>(p.H), static_cast<int>(p.W),
       static_cast<int>(p.Ho), static_cast<int>(p.Wo), chunk_width<T>(p.C, in), vector_stores,
-      make_input_activation<T>(input_activation), space, tiles);
+      InputActivation{input_activation, activation_form<T>(input_activation)}, space, tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -113,11 +113,6 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 // ATen's exact form.
 using InputActivation = PackedChoice<ActivationForm>;
 
-template <typename T>
-InputActivation make_input_activation(Activation kind) {
-  return {kind, activation_form<T>(kind)};
-}
-
 // Applies the activation in place to the chunks this thread copied with
 // load_pixel_window, rounding to T. A thread sees its own asynchronous
 // copies once it has waited for them, so this runs before the barrier that

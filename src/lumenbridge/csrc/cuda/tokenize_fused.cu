@@ -938,8 +938,10 @@ std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images
   SavedRows saved;
   for (size_t i = 1; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
-    saved.push_back(new_output({p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)},
-                               images.options().dtype(p.dtype), at::MemoryFormat::Contiguous));
+    const int64_t width = depthwise_row_width(s.in_channels);
+    TORCH_INTERNAL_ASSERT(width % 8 == 0, "the fused kernels write the rows in 16-byte units");
+    saved.push_back(new_output({p.N * s.out_h * s.out_w, width}, images.options().dtype(p.dtype),
+                               at::MemoryFormat::Contiguous));
   }
   at::Tensor tokens = tokenize_fused(images, p, saved);
   return {tokens, saved};

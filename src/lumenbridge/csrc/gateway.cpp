@@ -381,13 +381,12 @@ void check_saved_rows(const TokenizeProblem& p, at::TensorList saved, const at::
               " tensors (one per stage after the first, as tokenize_for_training returns them), got ",
               text(static_cast<int64_t>(saved.size())));
   for (size_t i = 1; i < p.stages.size(); ++i) {
-    const TokenizeStage& s = p.stages[i];
     const at::Tensor& rows = saved[i - 1];
     const std::string name = "saved[" + text(static_cast<int64_t>(i - 1)) + "]";
     check_same_device(images, "images", rows, name.c_str());
     TORCH_CHECK(rows.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(rows.scalar_type()),
                 " but the parameters have dtype ", text(p.dtype));
-    const std::vector<int64_t> expected{p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)};
+    const std::vector<int64_t> expected = depthwise_rows_sizes(p, i);
     TORCH_CHECK(rows.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ",
                 text(expected), ", got ", text(rows.sizes()));
     TORCH_CHECK(rows.is_contiguous(), "LumenBridge: ", name, " must be contiguous");

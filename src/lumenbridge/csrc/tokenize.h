@@ -97,6 +97,8 @@ struct BackwardKernels {
 // channels, a one (the bias's column), then zeros. With them the backward
 // skips recomputing the depthwise convolutions of those stages.
 int64_t depthwise_row_width(int64_t in_channels);
+// The sizes of stage `stage`'s rows: [N * h * w, depthwise_row_width(Cin)].
+std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage);
 using SavedRows = std::vector<at::Tensor>;  // stages 1 .. S - 1, or empty: recompute them
 
 // tokenize_for_training composed from the device's kernels and ATen: the

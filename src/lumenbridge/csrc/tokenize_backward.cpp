@@ -84,19 +84,21 @@ at::Tensor input_gradient_weight(const TokenizeStage& s) {
   return pad == 0 ? w : at::constant_pad_nd(w, {0, pad});
 }
 
-// A stage's depthwise output as the pointwise GEMMs' rows: the depthwise
-// kernel writes its channels straight into them, one copy of a broadcast row
-// [1, 0, ..., 0] fills the rest. Built once by the recompute and kept for the
-// weight gradient.
-at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeStage& s, const DepthwiseProblem& dw,
-                          Activation activation, const BackwardKernels& kernels) {
-  const int64_t cin = s.in_channels, pad = depthwise_row_width(cin) - cin;
-  at::Tensor r = new_output({dw.N * dw.Ho * dw.Wo, cin + pad}, pre.options(), at::MemoryFormat::Contiguous);
+// Stage i's depthwise output, from its input before the activation `pre`, as
+// the pointwise GEMMs' rows: the depthwise kernel writes its channels straight
+// into them, one copy of a broadcast row [1, 0, ..., 0] fills the rest. Built
+// once by the recompute and kept for the weight gradient.
+at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeProblem& p, size_t i, const BackwardKernels& kernels) {
+  const TokenizeStage& s = p.stages[i];
+  const Layout layout = depthwise_layout(s);
+  at::Tensor r = new_output(depthwise_rows_sizes(p, i), pre.options(), at::MemoryFormat::Contiguous);
+  const int64_t cin = s.in_channels, pad = r.size(1) - cin;
   at::Tensor ones_then_zeros = at::zeros({1, pad}, r.options());
   ones_then_zeros.select(1, 0).fill_(1);
   r.narrow(1, cin, pad).copy_(ones_then_zeros.expand({r.size(0), pad}));
-  at::Tensor d = from_rows(r.narrow(1, 0, cin), dw.N, dw.Ho, dw.Wo);
-  kernels.depthwise_forward_into(pre, s.dw_weight, s.dw_bias, dw, activation, d);
+  at::Tensor d = from_rows(r.narrow(1, 0, cin), p.N, s.out_h, s.out_w);
+  kernels.depthwise_forward_into(dense(pre, layout), s.dw_weight, s.dw_bias, stage_depthwise_problem(p, i, layout),
+                                 activation_before(i, p), d);
   return r;
 }
 
@@ -170,11 +172,7 @@ Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, con
   at::Tensor pre = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
-    const Layout layout = depthwise_layout(s);
-    at::Tensor rows_of_d = i > 0 && !saved.empty()
-                               ? saved[i - 1]
-                               : depthwise_rows(dense(pre, layout), s, stage_depthwise_problem(p, i, layout),
-                                                activation_before(i, p), kernels);
+    at::Tensor rows_of_d = i > 0 && !saved.empty() ? saved[i - 1] : depthwise_rows(pre, p, i, kernels);
     r.outputs.push_back(pointwise(rows_of_d, s, p));
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
     if (i + 1 < p.stages.size() && saved.empty()) pre = apply_stage_norm(r.outputs.back(), s, p);
@@ -224,6 +222,11 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
 }  // namespace
 
 int64_t depthwise_row_width(int64_t in_channels) { return in_channels + 1 + padding_columns(in_channels + 1); }
+
+std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage) {
+  const TokenizeStage& s = p.stages[stage];
+  return {p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)};
+}
 
 std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
                                                                  const TokenizeProblem& p,

@@ -937,11 +937,9 @@ std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images
   if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
   SavedRows saved;
   for (size_t i = 1; i < p.stages.size(); ++i) {
-    const TokenizeStage& s = p.stages[i];
-    const int64_t width = depthwise_row_width(s.in_channels);
-    TORCH_INTERNAL_ASSERT(width % 8 == 0, "the fused kernels write the rows in 16-byte units");
-    saved.push_back(new_output({p.N * s.out_h * s.out_w, width}, images.options().dtype(p.dtype),
-                               at::MemoryFormat::Contiguous));
+    const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
+    TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0, "the fused kernels write the rows in 16-byte units");
+    saved.push_back(new_output(sizes, images.options().dtype(p.dtype), at::MemoryFormat::Contiguous));
   }
   at::Tensor tokens = tokenize_fused(images, p, saved);
   return {tokens, saved};

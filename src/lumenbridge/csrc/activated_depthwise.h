@@ -5,10 +5,13 @@
 //                    (the backward's GEMM rows: for NHWC, any pixel pitch)
 //   backward_weight  (grad_weight, grad_bias) against x
 //   backward_input   the gradient of pre: act'(pre) times that of x
+//   backward         both: (gradient of pre, grad_weight, grad_bias)
 // On CUDA the NHWC kernels apply act to their input tiles as they land, so x
 // never reaches device memory, and the stride-2 input gradient multiplies by
-// the slope as it stores, so the gradient of x never does; the other cases,
-// and the CPU, run the ATen forms (activation.h) around the plain kernels.
+// the slope as it stores, so the gradient of x never does; at stride 2,
+// backward reads pre and grad_output once for both gradients. The other
+// cases, and the CPU, run the ATen forms (activation.h) around the plain
+// kernels.
 #pragma once
 
 #include "activation.h"
@@ -26,7 +29,10 @@ namespace lumenbridge {
                                                 const at::Tensor& pre, const DepthwiseProblem& p,          \
                                                 Activation activation);                                    \
   std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(                                 \
-      const at::Tensor& grad_output, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation);
+      const at::Tensor& grad_output, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation); \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(                             \
+      const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre, const DepthwiseProblem& p, \
+      Activation activation);
 
 namespace cpu {
 LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
@@ -37,5 +43,15 @@ LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 }  // namespace cuda
 
 #undef LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
+
+// backward as its two parts, from one device's entries: the CPU's, and the
+// CUDA cases the one-pass kernel does not cover.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_in_two_passes(
+    decltype(&cpu::activated_depthwise_backward_input) input_pass,
+    decltype(&cpu::activated_depthwise_backward_weight) weight_pass, const at::Tensor& grad_output,
+    const at::Tensor& weight, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation) {
+  auto [grad_weight, grad_bias] = weight_pass(grad_output, pre, p, activation);
+  return {input_pass(grad_output, weight, pre, p, activation), grad_weight, grad_bias};
+}
 
 }  // namespace lumenbridge

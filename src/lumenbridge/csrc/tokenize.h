@@ -88,6 +88,7 @@ struct BackwardKernels {
   decltype(&cpu::activated_depthwise_forward_into) depthwise_forward_into;
   decltype(&cpu::activated_depthwise_backward_input) depthwise_backward_input;
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
+  decltype(&cpu::activated_depthwise_backward) depthwise_backward;  // both at once
   decltype(&layer_norm_backward_aten) layer_norm_backward;
 };
 

@@ -212,10 +212,17 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
   g_p.reset();
   depthwise.reset();
   const Activation activation = activation_before(i, p);
+  const bool input_gradient = i > 0 || mask.images;
+  if (mask.parameters && input_gradient) {
+    at::Tensor grad_pre;
+    std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
+        kernels.depthwise_backward(g_d, s.dw_weight, pre, dw, activation);
+    return grad_pre;
+  }
   if (mask.parameters) {
     std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.depthwise_backward_weight(g_d, pre, dw, activation);
   }
-  if (i == 0 && !mask.images) return at::Tensor();
+  if (!input_gradient) return at::Tensor();
   return kernels.depthwise_backward_input(g_d, s.dw_weight, pre, dw, activation);
 }
 
@@ -289,7 +296,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
 namespace cpu {
 BackwardKernels backward_kernels() {
   return {&cpu::activated_depthwise_forward_into, &cpu::activated_depthwise_backward_input,
-          &cpu::activated_depthwise_backward_weight, &layer_norm_backward_aten};
+          &cpu::activated_depthwise_backward_weight, &cpu::activated_depthwise_backward, &layer_norm_backward_aten};
 }
 
 std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
@@ -306,7 +313,7 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
 namespace cuda {
 BackwardKernels backward_kernels() {
   return {&cuda::activated_depthwise_forward_into, &cuda::activated_depthwise_backward_input,
-          &cuda::activated_depthwise_backward_weight, &cuda::layer_norm_backward};
+          &cuda::activated_depthwise_backward_weight, &cuda::activated_depthwise_backward, &cuda::layer_norm_backward};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

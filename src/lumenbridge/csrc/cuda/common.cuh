@@ -16,6 +16,7 @@ namespace lumenbridge {
 namespace cuda {
 
 constexpr int kThreads = 256;
+constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory per block on sm_90
 
 // VEC elements moved as one 16-, 8-, 4- or 2-byte access.
 template <typename T, int VEC>

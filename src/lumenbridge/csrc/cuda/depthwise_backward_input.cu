@@ -18,34 +18,12 @@
 #include "common.cuh"
 #include "depthwise_forward.cuh"
 #include "nhwc_tiles.cuh"
+#include "quad_tiles.cuh"
 #include "tiles.cuh"
 
 namespace lumenbridge {
 namespace cuda {
 namespace {
-
-// Which taps reach an input pixel of parity `parity` (0 even, 1 odd), and
-// from which grad_output row (or column) relative to the quad index: tap t
-// reaches quad a + offset when parity + K/2 - t is even.
-template <int K>
-struct QuadReach {
-  static constexpr int kPad = K / 2;
-  static constexpr bool contributes(int parity, int tap) { return ((parity + kPad - tap) & 1) == 0; }
-  static constexpr int offset(int parity, int tap) { return (parity + kPad - tap) / 2; }  // exact
-  static constexpr int extreme(bool largest) {
-    int best = largest ? -K : K;
-    for (int parity = 0; parity < 2; ++parity) {
-      for (int tap = 0; tap < K; ++tap) {
-        if (!contributes(parity, tap)) continue;
-        const int o = offset(parity, tap);
-        best = largest ? (o > best ? o : best) : (o < best ? o : best);
-      }
-    }
-    return best;
-  }
-  // grad_output rows feeding quad row a span a + kMin .. a + kMax.
-  static constexpr int kMin = extreme(false), kMax = extreme(true), kSpan = kMax - kMin;
-};
 
 template <int K, int QX, int QROWS, int QY, int VEC>
 struct NchwQuadTile {
@@ -150,33 +128,6 @@ struct NhwcQuadTile : NhwcLanes {
   static constexpr int kMinBlocks = K == 3 ? 2 : 1;
 };
 
-// The slope the NHWC stride-2 kernel scales its stores by: bf16 and fp16
-// GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
-using OutputSlope = PackedChoice<GeluSlopeForm>;
-
-// Scales a thread's L gradients at one pixel by act'(pre) there. The choice
-// is uniform across the grid.
-template <typename T, int L>
-__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, const OutputSlope& slope) {
-  if constexpr (!std::is_same_v<T, float>) {
-    if (slope.kind == Activation::GELU) {
-      static_assert(L % 2 == 0, "the packed slope takes pairs");
-      const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
-#pragma unroll
-      for (int h = 0; h < L / 2; ++h) {
-        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.form));
-        value[2 * h] *= s.x;
-        value[2 * h + 1] *= s.y;
-      }
-      return;
-    }
-  }
-  dispatch_activation(slope.kind, [&](auto a) {
-#pragma unroll
-    for (int e = 0; e < L; ++e) value[e] *= activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e]));
-  });
-}
-
 template <typename T, int K, bool SLOPE>
 __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadTile<T, K, SLOPE>::kMinBlocks)
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
@@ -189,7 +140,7 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
   using Grad = typename Tile::Grad;
   using Pre = typename Tile::Pre;
   using Reach = typename Tile::Reach;
-  constexpr int L = Tile::kLane, kCols = Reach::kSpan + 1;
+  constexpr int L = Tile::kLane;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
@@ -228,63 +179,22 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
 #pragma unroll
     for (int q = 0; q < Tile::kQRows; ++q) {
       const int la = qy * Tile::kQRows + q;
-      const T* window = tile + (la * Grad::kRowPixels + qx) * Tile::kSlab + lane_c * L;
       float acc[2][2][L] = {};
-      // grad_output row a + kMin + row feeds the taps of that offset, for both
-      // row parities; which taps apply is known at compile time.
+      gather_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
+          tile + (la * Grad::kRowPixels + qx) * Tile::kSlab + lane_c * L,
+          [&](int i) {
+            Vec<float, L> tap;
 #pragma unroll
-      for (int row = 0; row <= Reach::kSpan; ++row) {
-        float g[kCols][L];
-#pragma unroll
-        for (int col = 0; col < kCols; ++col) {
-          const Vec<T, L> pixel = load_vec<T, L>(window + (row * Grad::kRowPixels + col) * Tile::kSlab);
-#pragma unroll
-          for (int e = 0; e < L; ++e) g[col][e] = static_cast<float>(pixel.v[e]);
-        }
-#pragma unroll
-        for (int py = 0; py < 2; ++py) {
-#pragma unroll
-          for (int i = 0; i < K; ++i) {
-            if (!Reach::contributes(py, i) || Reach::offset(py, i) - Reach::kMin != row) continue;
-#pragma unroll
-            for (int px = 0; px < 2; ++px) {
-#pragma unroll
-              for (int j = 0; j < K; ++j) {
-                if (!Reach::contributes(px, j)) continue;
-                const int col = Reach::offset(px, j) - Reach::kMin;
-#pragma unroll
-                for (int e = 0; e < L; ++e) acc[py][px][e] = fmaf(w[i * K + j][e], g[col][e], acc[py][px][e]);
-              }
-            }
-          }
-        }
-      }
-
-      const int64_t image = t.digit[3];
+            for (int e = 0; e < L; ++e) tap.v[e] = w[i][e];
+            return tap;
+          },
+          acc);
       const int y = 2 * (t.digit[2] * Tile::kQuadH + la), x = 2 * (t.digit[1] * Tile::kQuadW + qx);
-#pragma unroll
-      for (int py = 0; py < 2; ++py) {
-#pragma unroll
-        for (int px = 0; px < 2; ++px) {
-          if (y + py >= H || x + px >= W) continue;
-          if constexpr (SLOPE) {
-            const T* pixel = tile + Grad::kElems + ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab;
-            multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pixel + lane_c * L), slope);
-          }
-          T* dst = grad_input + ((image * H + y + py) * W + x + px) * C + c;
-          if (vector_stores && c + L <= C) {
-            Vec<T, L> result;
-#pragma unroll
-            for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
-            store_vec<T, L>(dst, result);
-          } else {
-#pragma unroll
-            for (int e = 0; e < L; ++e) {
-              if (c + e < C) dst[e] = static_cast<T>(acc[py][px][e]);
-            }
-          }
-        }
-      }
+      store_quad<SLOPE, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[3]) * H * W * C + c, y, x, H, W, C, c, vector_stores, slope,
+                              [&](int py, int px) {
+                                return tile + Grad::kElems +
+                                       ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab + lane_c * L;
+                              });
     }
   };
   run_tile_pipeline<Tile::kStages>(space, blockIdx.x, persistent_tile_count(tiles), buffers,

@@ -21,19 +21,12 @@
 #include "common.cuh"
 #include "nhwc_tiles.cuh"
 #include "partial_sums.cuh"
+#include "weight_partials.cuh"
 #include "tiles.cuh"
 
 namespace lumenbridge {
 namespace cuda {
 namespace {
-
-// Tiles per block in pass 1: at least 8, enough to amortize a block's final
-// reduction, and more for large problems, aiming at a fixed block count:
-//   NCHW (one tile at a time): about 1024 blocks per channel.
-//   NHWC (pipelined): about 264 blocks over all slabs, one wave at two blocks
-//     per SM on the H200, so each block's pipeline runs long. Measured best
-//     of 264 to 4224 blocks on every benchmark shape (benchmarks/NOTES.md).
-constexpr int64_t kMinTilesPerBlock = 8, kNchwBlocksPerChannel = 1024, kNhwcBlocks = 264;
 
 // NCHW: 32 x 32 output tiles of one plane, 32 x 8 threads, 4 rows each.
 template <int K, int S, int VEC>
@@ -176,7 +169,7 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
 
   auto landed = [&](T* tile) {
     dispatch_chunk<T>(input_chunk, [&](auto width) {
-      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tid, input_activation);
+      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tile, tid, input_activation);
     });
   };
 
@@ -228,55 +221,11 @@ __global__ void __launch_bounds__(NhwcWeightTile<T, K, S>::kThreads, K == 3 ? 2 
   run_tile_pipeline<Tile::kStages>(space, first, min(tiles_per_block, items - first), buffers,
                                    Tile::kElems, load, landed, NoStep{}, compute);
 
-  // Reduce in a fixed order: across the lanes of a warp that share channels
-  // (a fixed xor tree), then across warps through shared memory, which the
-  // tile buffers no longer need.
+  // The tile buffers are no longer needed: the sums go through them.
   cp_async_wait_pending<0>();
   __syncthreads();
-  float* sums = reinterpret_cast<float*>(shared_bytes);  // [warp][sum][channel]
-  const int warp = tid / 32, lane = tid % 32;
-#pragma unroll
-  for (int i = 0; i < kSums; ++i) {
-#pragma unroll
-    for (int e = 0; e < L; ++e) {
-      float value = acc[i][e];
-      value += __shfl_xor_sync(0xffffffffu, value, 8);
-      value += __shfl_xor_sync(0xffffffffu, value, 16);
-      if (lane < Tile::kChannelThreads) sums[(warp * kSums + i) * Tile::kSlab + lane * L + e] = value;
-    }
-  }
-  __syncthreads();
-  for (int k = tid; k < kSums * Tile::kSlab; k += Tile::kThreads) {
-    const int i = k / Tile::kSlab, ch = k % Tile::kSlab;
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < Tile::kWarps; ++w) total += sums[(w * kSums + i) * Tile::kSlab + ch];
-    if (c0 + ch < C) partials[(static_cast<int64_t>(c0 + ch) * chunks + chunk) * kSums + i] = total;
-  }
-}
-
-// How pass 1 splits one channel's (or slab's) work: `items` tiles over the
-// batch, in `chunks` runs of `tiles_per_block`. A function of the shape alone.
-struct WorkSplit {
-  int tiles_x, tiles_y, tiles_per_block;
-  int64_t items, chunks;
-};
-
-// `groups` channels or slabs share `target_blocks` blocks.
-template <typename Tile>
-WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_blocks) {
-  WorkSplit split;
-  split.tiles_x = ceil_div(static_cast<int>(p.Wo), Tile::kOutW);
-  split.tiles_y = ceil_div(static_cast<int>(p.Ho), Tile::kOutH);
-  split.items = p.N * split.tiles_x * split.tiles_y;
-  TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
-              "LumenBridge: batch too large for one weight-gradient launch (", text(split.items),
-              " tiles)");
-  // At most all of a group's tiles (so it fits an int, as items does).
-  split.tiles_per_block = static_cast<int>(std::max(
-      kMinTilesPerBlock, std::min(split.items, ceil_div64(split.items * groups, target_blocks))));
-  split.chunks = ceil_div64(split.items, split.tiles_per_block);
-  return split;
+  store_slab_partials<Tile::kWarps>(acc, reinterpret_cast<float*>(shared_bytes), tid, c0, C, chunk, chunks,
+                                    partials, [] { __syncthreads(); });
 }
 
 // `input_activation` is the NHWC kernel's; the entry point runs ATen's form

@@ -27,7 +27,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M)
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
-constexpr int kMaxSharedBytes = 227 * 1024; // per block on sm_90
 
 // Row stride (elements) of a shared [rows x cols] tile, cols a multiple of 8:
 // an odd number of 16-byte units, so 8 consecutive rows fall in distinct banks.

@@ -70,14 +70,15 @@ struct NhwcTile : NhwcLanes {
 // Calls visit(r, j, q) for each chunk of a Window this thread moves: pixel
 // (r, j) of the window, chunk q of its slab. THREADS is a multiple of the
 // chunks per pixel, so each thread always moves the same chunk of its pixels.
-template <typename Window, int THREADS, int CHUNK, typename Visit>
+// UNROLL chunks' addresses are in flight at once.
+template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename Visit>
 __device__ __forceinline__ void for_each_own_chunk(int tid, Visit&& visit) {
   constexpr unsigned kChunksPerPixel = Window::kSlab / CHUNK;
   constexpr unsigned kPixels = Window::kRows * Window::kCols;
   constexpr unsigned kPixelStep = THREADS / kChunksPerPixel;
   static_assert(THREADS % kChunksPerPixel == 0, "a thread's chunk must not change");
   const unsigned q = tid % kChunksPerPixel;
-#pragma unroll 4
+#pragma unroll UNROLL
   for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
     visit(pixel / Window::kCols, pixel % Window::kCols, q);
   }
@@ -92,11 +93,11 @@ __device__ __forceinline__ unsigned chunk_offset(unsigned r, unsigned j, unsigne
 // Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),
 // of one H x W x C image into `tile`; pixels and channels outside the image
 // are zero-filled.
-template <typename Window, int THREADS, int CHUNK, typename T>
+template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename T>
 __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
                                                   int H, int W, int C, int y0, int x0, int c0,
                                                   int tid) {
-  for_each_own_chunk<Window, THREADS, CHUNK>(tid, [&](unsigned r, unsigned j, unsigned q) {
+  for_each_own_chunk<Window, THREADS, CHUNK, UNROLL>(tid, [&](unsigned r, unsigned j, unsigned q) {
     const int c = c0 + static_cast<int>(q * CHUNK);
     const int gy = y0 + static_cast<int>(r), gx = x0 + static_cast<int>(j);
     const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
@@ -113,16 +114,17 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 // ATen's exact form.
 using InputActivation = PackedChoice<ActivationForm>;
 
-// Applies the activation in place to the chunks this thread copied with
-// load_pixel_window, rounding to T. A thread sees its own asynchronous
-// copies once it has waited for them, so this runs before the barrier that
-// publishes the tile. Zero fill stays zero: act(0) = 0.
+// Applies the activation to the chunks this thread copied with
+// load_pixel_window into the Window at `from`, rounding to T, and stores them
+// at the same places of the Window at `to` (which may be `from`). A thread
+// sees its own asynchronous copies once it has waited for them, so this runs
+// before the barrier that publishes the tile. Zero fill stays zero: act(0) = 0.
 template <typename Window, int THREADS, int CHUNK, typename T>
-__device__ __forceinline__ void activate_own_chunks(T* tile, int tid, const InputActivation& act) {
-  if (act.kind == Activation::NONE) return;
+__device__ __forceinline__ void activate_own_chunks(const T* from, T* to, int tid, const InputActivation& act) {
+  if (act.kind == Activation::NONE && from == to) return;
   for_each_own_chunk<Window, THREADS, CHUNK>(tid, [&](unsigned r, unsigned j, unsigned q) {
-    T* chunk = tile + chunk_offset<Window, CHUNK>(r, j, q);
-    Vec<T, CHUNK> v = load_vec<T, CHUNK>(chunk);
+    const unsigned at = chunk_offset<Window, CHUNK>(r, j, q);
+    Vec<T, CHUNK> v = load_vec<T, CHUNK>(from + at);
     if constexpr (std::is_same_v<T, float>) {
       dispatch_activation(act.kind, [&](auto a) {
 #pragma unroll
@@ -139,7 +141,7 @@ __device__ __forceinline__ void activate_own_chunks(T* tile, int tid, const Inpu
         words[w] = activate_pair<T>(pair.x, pair.y, act.form);
       }
     }
-    store_vec<T, CHUNK>(chunk, v);
+    store_vec<T, CHUNK>(to + at, v);
   });
 }
 

@@ -1,0 +1,135 @@
+// The stride-2 input gradient's quads, shared by the NHWC kernels that
+// compute it (depthwise_backward_input.cu, and with the weight gradient,
+// depthwise_backward_both.cu): which taps reach each parity of a quad, a
+// quad's gradient gathered from a shared grad_output window, and its stores,
+// scaled by the activation's slope.
+#pragma once
+
+#include "common.cuh"
+#include "packed_activation.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+
+// Which taps reach an input pixel of parity `parity` (0 even, 1 odd), and
+// from which grad_output row (or column) relative to the quad index: tap t
+// reaches quad a + offset when parity + K/2 - t is even.
+template <int K>
+struct QuadReach {
+  static constexpr int kPad = K / 2;
+  static constexpr bool contributes(int parity, int tap) { return ((parity + kPad - tap) & 1) == 0; }
+  static constexpr int offset(int parity, int tap) { return (parity + kPad - tap) / 2; }  // exact
+  static constexpr int extreme(bool largest) {
+    int best = largest ? -K : K;
+    for (int parity = 0; parity < 2; ++parity) {
+      for (int tap = 0; tap < K; ++tap) {
+        if (!contributes(parity, tap)) continue;
+        const int o = offset(parity, tap);
+        best = largest ? (o > best ? o : best) : (o < best ? o : best);
+      }
+    }
+    return best;
+  }
+  // grad_output rows feeding quad row a span a + kMin .. a + kMax.
+  static constexpr int kMin = extreme(false), kMax = extreme(true), kSpan = kMax - kMin;
+};
+
+// The slope the NHWC stride-2 kernels scale their stores by: bf16 and fp16
+// GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
+using OutputSlope = PackedChoice<GeluSlopeForm>;
+
+// Scales a thread's L gradients at one pixel by act'(pre) there. The choice
+// is uniform across the grid.
+template <typename T, int L>
+__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, const OutputSlope& slope) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (slope.kind == Activation::GELU) {
+      static_assert(L % 2 == 0, "the packed slope takes pairs");
+      const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
+#pragma unroll
+      for (int h = 0; h < L / 2; ++h) {
+        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.form));
+        value[2 * h] *= s.x;
+        value[2 * h + 1] *= s.y;
+      }
+      return;
+    }
+  }
+  dispatch_activation(slope.kind, [&](auto a) {
+#pragma unroll
+    for (int e = 0; e < L; ++e) value[e] *= activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e]));
+  });
+}
+
+
+// The gradient of x at one quad (a, b), this thread's L channels: grad_output
+// rows a + kMin .. a + kMax through the taps each parity takes (known at
+// compile time). `window` is the quad's first grad_output pixel (row
+// a + kMin, column b + kMin), this thread's channels, in a shared window of
+// ROW_PIXELS pixels a row and SLAB channels a pixel; tap(t) gives tap t's L
+// weights as a Vec<float, L>.
+template <typename T, int K, int L, int ROW_PIXELS, int SLAB, typename Tap>
+__device__ __forceinline__ void gather_quad(const T* window, Tap&& tap, float (&acc)[2][2][L]) {
+  using Reach = QuadReach<K>;
+  constexpr int kCols = Reach::kSpan + 1;
+#pragma unroll
+  for (int row = 0; row <= Reach::kSpan; ++row) {
+    float g[kCols][L];
+#pragma unroll
+    for (int col = 0; col < kCols; ++col) {
+      const Vec<T, L> pixel = load_vec<T, L>(window + (row * ROW_PIXELS + col) * SLAB);
+#pragma unroll
+      for (int e = 0; e < L; ++e) g[col][e] = static_cast<float>(pixel.v[e]);
+    }
+#pragma unroll
+    for (int py = 0; py < 2; ++py) {
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        if (!Reach::contributes(py, i) || Reach::offset(py, i) - Reach::kMin != row) continue;
+#pragma unroll
+        for (int px = 0; px < 2; ++px) {
+#pragma unroll
+          for (int j = 0; j < K; ++j) {
+            if (!Reach::contributes(px, j)) continue;
+            const int col = Reach::offset(px, j) - Reach::kMin;
+            const Vec<float, L> w = tap(i * K + j);
+#pragma unroll
+            for (int e = 0; e < L; ++e) acc[py][px][e] = fmaf(w.v[e], g[col][e], acc[py][px][e]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Stores a quad's gradients acc[py][px] at pixel (y + py, x + px) of an NHWC
+// H x W x C image (`image` points at its pixel 0, channel c), pixels past the
+// image left out; with SLOPE each is first scaled by the slope at the
+// pre-activation pre_at(py, px) (this thread's channels in shared memory).
+template <bool SLOPE, typename T, int L, typename PreAt>
+__device__ __forceinline__ void store_quad(float (&acc)[2][2][L], T* image, int y, int x, int H, int W, int C, int c,
+                                           bool vector_stores, const OutputSlope& slope, PreAt&& pre_at) {
+#pragma unroll
+  for (int py = 0; py < 2; ++py) {
+#pragma unroll
+    for (int px = 0; px < 2; ++px) {
+      if (y + py >= H || x + px >= W) continue;
+      if constexpr (SLOPE) multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pre_at(py, px)), slope);
+      T* dst = image + (static_cast<int64_t>(y + py) * W + x + px) * C;
+      if (vector_stores && c + L <= C) {
+        Vec<T, L> result;
+#pragma unroll
+        for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
+        store_vec<T, L>(dst, result);
+      } else {
+#pragma unroll
+        for (int e = 0; e < L; ++e) {
+          if (c + e < C) dst[e] = static_cast<T>(acc[py][px][e]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -157,25 +157,28 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
   return nhwc.contiguous().permute({0, 3, 1, 2});
 }
 
-// The forward once more: each stage's pointwise output (before its norm)
-// and, for the pointwise weight gradients, its depthwise output as the GEMMs'
-// rows (a quarter of the pointwise outputs' bytes at the presets' widths,
-// kept rather than recomputed), taken from `saved` where the training
-// forward saved them.
+// The forward once more: each stage's pointwise output (before its norm;
+// with keep_outputs false, the last stage's only, the others released as the
+// next stage takes them) and, for the pointwise weight gradients, its
+// depthwise output as the GEMMs' rows (a quarter of the pointwise outputs'
+// bytes at the presets' widths, kept rather than recomputed), taken from
+// `saved` where the training forward saved them.
 struct Recomputed {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> depthwise;
 };
 Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const BackwardKernels& kernels,
-                             bool keep_depthwise, const SavedRows& saved) {
+                             bool keep_depthwise, bool keep_outputs, const SavedRows& saved) {
   Recomputed r;
   at::Tensor pre = x0;
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
+    const bool last = i + 1 == p.stages.size();
     at::Tensor rows_of_d = i > 0 && !saved.empty() ? saved[i - 1] : depthwise_rows(pre, p, i, kernels);
-    r.outputs.push_back(pointwise(rows_of_d, s, p));
+    at::Tensor output = pointwise(rows_of_d, s, p);
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
-    if (i + 1 < p.stages.size() && saved.empty()) pre = apply_stage_norm(r.outputs.back(), s, p);
+    if (!last && saved.empty()) pre = apply_stage_norm(output, s, p);
+    r.outputs.push_back(keep_outputs || last ? std::move(output) : at::Tensor());
   }
   return r;
 }
@@ -239,7 +242,7 @@ std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tenso
                                                                  const TokenizeProblem& p,
                                                                  const BackwardKernels& kernels) {
   const at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  Recomputed forward = recompute_forward(x0, p, kernels, true, {});
+  Recomputed forward = recompute_forward(x0, p, kernels, true, false, {});
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
   return {tokens, SavedRows(forward.depthwise.begin() + 1, forward.depthwise.end())};
 }
@@ -249,7 +252,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
                                          const BackwardKernels& kernels, const SavedRows& saved) {
   const size_t S = p.stages.size();
   at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters, saved);
+  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters, true, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;
   TokenizeGrads grads;
   if (mask.parameters) {

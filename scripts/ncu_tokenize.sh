@@ -3,8 +3,8 @@
 # light, occupancy, warp stalls, memory and tensor-pipe use. By default the
 # fused forward's kernels, from uint8 input; KERNELS (an ncu name regex)
 # picks others, and TRAIN=1 profiles a training step (float input) instead,
-# e.g. KERNELS=depthwise_backward_input TRAIN=1 for the backward's input
-# gradient (three launches a step, one per stage).
+# e.g. KERNELS=depthwise_backward_both TRAIN=1 for the backward's depthwise
+# gradients of the later stages (three launches a step, one per stage).
 # Usage: [KERNELS=REGEX] [TRAIN=1] bash scripts/ncu_tokenize.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."

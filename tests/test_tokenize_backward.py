@@ -128,10 +128,6 @@ def test_opcheck(device, native_ops):
                 torch.library.opcheck(forward, detached(args, requires_grad=True))
 
 
-def args_without(arguments, name):
-    return {k: v for k, v in arguments.items() if k != name}
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_the_training_ops_fake_gives_its_shapes(case, native_ops):
     """tokenize_for_training's fake kernel against the op on every sample case
@@ -319,16 +315,31 @@ def test_double_backward_raises_naming_the_op(native_ops):
     ],
 )
 def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
-    model = VisualTokenizer(NARROW, seed=0).eval()
-    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
-    names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
-    args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))
-    args["grad_tokens"] = torch.ones(1, 4, 40)
-    args["saved"] = list(torch.ops.lumenbridge.tokenize_for_training(**detached(args_without(args, "grad_tokens")))[1])
-    args["output_mask"] = [False, True]
+    args = narrow_backward_arguments("cpu")
     args.update(change(args))
     with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):
         native_ops.tokenize_backward(**args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gateway_rejects_saved_rows_on_another_device(cuda_kernels):
+    args = narrow_backward_arguments("cuda")
+    args["saved"][1] = args["saved"][1].cpu()
+    with pytest.raises(RuntimeError, match=r"LumenBridge: saved\[1\] is on cpu but images is on cuda"):
+        cuda_kernels.tokenize_backward(**args)
+
+
+def narrow_backward_arguments(device: str) -> dict:
+    """tokenize_backward's arguments for NARROW on one uint8 32 x 32 image:
+    tokenize's, a token gradient of ones, the rows tokenize_for_training
+    saved, and the parameters' gradients asked for."""
+    model = VisualTokenizer(NARROW, seed=0).eval().to(device)
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
+    names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
+    args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))
+    tokens, saved = torch.ops.lumenbridge.tokenize_for_training(**args)
+    return {**args, "grad_tokens": torch.ones_like(tokens), "saved": list(saved), "output_mask": [False, True]}
 
 
 # ---- the model trains through the op ----------------------------------------------

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, atomic, cli
+from lumenbridge.images import image_loader
 
 SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
@@ -280,6 +281,21 @@ def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
     assert err.strip().splitlines()[-1] == "lumenbridge: interrupted"
     assert "Traceback" not in err
     assert not out.exists()
+
+
+class InterruptHandlerProbe(torch.utils.data.Dataset):
+    """One item: whether the process that loads it ignores SIGINT."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> bool:
+        return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_loader_workers_leave_ctrl_c_to_the_main_process():
+    assert list(image_loader(InterruptHandlerProbe(), batch_size=None, num_workers=1)) == [True]
+    assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
 
 
 def wait_until_importing_torch(pid: int, timeout: float = 60.0) -> None:

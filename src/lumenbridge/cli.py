@@ -28,6 +28,7 @@ from lumenbridge.images import (
     WHITE,
     ImageFileDataset,
     collate_images,
+    image_loader,
     read_batches,
     resolve_resize,
     sample_image_paths,
@@ -130,7 +131,7 @@ def tokenize_files(
     """
     paths = list(paths)
     device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(
+    loader = image_loader(
         ImageFileDataset(paths, image_size, resize, max_pixels=max_pixels, background=background),
         batch_size=batch_size,
         num_workers=workers,

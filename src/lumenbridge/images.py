@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.resources
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -326,6 +327,19 @@ class ImageFileDataset(FileDataset):
 
     def load(self, path: str) -> torch.Tensor:
         return load_image(path, self.image_size, self.resize, max_pixels=self.max_pixels, background=self.background)
+
+
+def image_loader(dataset: torch.utils.data.Dataset, **options) -> torch.utils.data.DataLoader:
+    """A DataLoader over `dataset` (options as DataLoader's) whose worker
+    processes leave Ctrl-C to the main process. A terminal's Ctrl-C reaches
+    the whole process group; the main process stops its workers when it is
+    interrupted, and a worker that also took the signal could print a
+    traceback of its own as it exited."""
+    return torch.utils.data.DataLoader(dataset, worker_init_fn=_ignore_interrupts, **options)
+
+
+def _ignore_interrupts(worker_id: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def read_batches(loader, paths: Sequence[str], failures: list, on_failure, progress: bool):

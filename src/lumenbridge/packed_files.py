@@ -16,7 +16,16 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
-from .images import DEFAULT_MAX_PIXELS, WHITE, FileDataset, LoadedImage, decode_image, read_batches, to_tensor
+from .images import (
+    DEFAULT_MAX_PIXELS,
+    WHITE,
+    FileDataset,
+    LoadedImage,
+    decode_image,
+    image_loader,
+    read_batches,
+    to_tensor,
+)
 from .model import VisualTokenizer
 from .packing import cumulative_lengths, fit_token_budget
 
@@ -87,7 +96,7 @@ def tokenize_files_packed(
     """
     paths = list(paths)
     device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(
+    loader = image_loader(
         TokenBudgetDataset(paths, model.config.total_stride, max_tokens, max_pixels, background),
         batch_size=batch_size,
         num_workers=workers,

@@ -40,6 +40,7 @@ from .images import (
     IMAGE_READ_ERRORS,
     WHITE,
     decode_opened,
+    image_loader,
     open_image,
     preprocess,
 )
@@ -374,7 +375,7 @@ def tokenize_shards(
         gpu=gpu_decode,
     )
     workers = options.workers if batches else 0
-    loader = torch.utils.data.DataLoader(
+    loader = image_loader(
         dataset,
         batch_sampler=[indices for _, indices in batches],
         num_workers=workers,

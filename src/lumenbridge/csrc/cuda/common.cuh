@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/types.h>
@@ -16,7 +17,7 @@ namespace lumenbridge {
 namespace cuda {
 
 constexpr int kThreads = 256;
-constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory per block on sm_90
+constexpr int kMaxSharedBytes = 227 * 1024;  // shared memory a block may opt in to on sm_90
 
 // VEC elements moved as one 16-, 8-, 4- or 2-byte access.
 template <typename T, int VEC>
@@ -102,6 +103,15 @@ void dispatch_vector_width(int vec, Body&& body) {
 
 // Static plus dynamic shared memory past 48 KB must be opted into per
 // kernel; setting the dynamic limit to exactly what the launch uses is always valid.
+// Shared memory a block may opt in to on the current device (static and
+// dynamic together): kMaxSharedBytes on sm_90, less on other GPUs.
+inline size_t max_shared_bytes_per_block() {
+  int bytes = 0;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
+  return static_cast<size_t>(bytes);
+}
+
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -41,8 +41,9 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr int kSums = K * K + 1;  // taps, then the bias
   using Grad = PixelWindow<kOutH + Reach::kSpan, kOutW + Reach::kSpan, 1, kSlab>;
   // Input rows 2 * y0 - kPad .. 2 * (y0 + kOutH - 1) - kPad + K - 1 for the
-  // outputs, and the quads' own 2 * y0 .. 2 * y0 + 2 * kOutH - 1 inside them.
-  static constexpr int kInExtent = (kOutH - 1) * 2 + K > kPad + 2 * kOutH ? (kOutH - 1) * 2 + K : kPad + 2 * kOutH;
+  // outputs; the quads' own 2 * y0 .. 2 * y0 + 2 * kOutH - 1 lie inside them.
+  static constexpr int kInExtent = (kOutH - 1) * 2 + K;
+  static_assert(kPad + 2 * kOutH <= kInExtent, "the quads' pixels inside the window");
   // Columns de-interleaved by two: threads a quad apart read adjacent pixels.
   using Input = PixelWindow<kInExtent, kInExtent, 2, kSlab>;
   static constexpr int kPreAt = Grad::kElems, kXAt = kPreAt + Input::kElems;
@@ -54,13 +55,15 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
   // The taps, in float, beside the dynamic buffers.
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
-  // Where the window does not fit (fp32 at K = 5 and 7), or where a thread's
-  // K * K + 1 sums of four channels would not fit in registers beside the
-  // input gradient's work (K = 7: 200), the two kernels run instead.
-  static constexpr bool kCovered = kSharedBytes + kTapBytes <= static_cast<size_t>(kMaxSharedBytes) && K <= 5;
-  // Two blocks an SM at K = 3 (128 registers); at K = 5 the 26 sums of four
-  // channels need more.
-  static constexpr int kMinBlocks = K == 3 && 2 * (kSharedBytes + kTapBytes) <= static_cast<size_t>(kMaxSharedBytes) ? 2 : 1;
+  static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes;
+  // Where the window does not fit an sm_90 block (fp32 at K = 7), or where a
+  // thread's K * K + 1 sums of four channels would not fit in registers beside
+  // the input gradient's work (K = 7: 200), the two kernels run instead; so
+  // they do on a device with less shared memory a block (activated_depthwise_backward).
+  static constexpr bool kCovered = kBlockBytes <= static_cast<size_t>(kMaxSharedBytes) && K <= 5;
+  // Two blocks an SM (128 registers) where two windows fit: half types at
+  // K = 3. Elsewhere one, with the registers the sums need.
+  static constexpr int kMinBlocks = K == 3 && 2 * kBlockBytes <= static_cast<size_t>(kMaxSharedBytes) ? 2 : 1;
 };
 
 template <typename T, int K>
@@ -223,7 +226,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
   if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return separately();
   check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(pre.device());
-  TORCH_INTERNAL_ASSERT(pre.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+  TORCH_INTERNAL_ASSERT(pre.sizes() == at::IntArrayRef({p.N, p.C, p.H, p.W}) &&
+                        grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
+                        pre.is_contiguous(at::MemoryFormat::ChannelsLast) &&
                         grad_output.is_contiguous(at::MemoryFormat::ChannelsLast));
   const auto options = pre.options();
   std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
@@ -233,6 +238,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
       constexpr int K = decltype(k)::value;
       using Tile = BothGradientsTile<T, K>;
       if constexpr (!Tile::kCovered) {
+        result = separately();
+      } else if (Tile::kBlockBytes > max_shared_bytes_per_block()) {
         result = separately();
       } else {
         at::Tensor grad_input = new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());

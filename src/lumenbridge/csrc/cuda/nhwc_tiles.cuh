@@ -1,5 +1,5 @@
-// NHWC tile geometry and loader shared by the forward, stride-2 input-gradient
-// and weight-gradient kernels.
+// NHWC tile geometry and loader shared by the forward, stride-2 input-gradient,
+// weight-gradient and both-gradients kernels.
 //
 // Threads run along channels, four each (one 16-byte fp32 or 8-byte half
 // shared read per pixel), so eight threads cover a pixel's slab of 32

@@ -1,5 +1,6 @@
 // Persistent, multi-buffered tile pipelines for the forward kernels, the
-// NHWC stride-2 input gradient and the NHWC weight gradient.
+// NHWC stride-2 input gradient, the NHWC weight gradient and the kernel that
+// computes both gradients at stride 2.
 //
 // A block stays resident and walks its share of the tiles. While it computes
 // tile i from one shared-memory buffer, asynchronous copies fill the others

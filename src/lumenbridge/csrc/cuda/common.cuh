@@ -101,8 +101,6 @@ void dispatch_vector_width(int vec, Body&& body) {
                                      AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
-// Static plus dynamic shared memory past 48 KB must be opted into per
-// kernel; setting the dynamic limit to exactly what the launch uses is always valid.
 // Shared memory a block may opt in to on the current device (static and
 // dynamic together): kMaxSharedBytes on sm_90, less on other GPUs.
 inline size_t max_shared_bytes_per_block() {
@@ -112,6 +110,8 @@ inline size_t max_shared_bytes_per_block() {
   return static_cast<size_t>(bytes);
 }
 
+// Static plus dynamic shared memory past 48 KB must be opted into per
+// kernel; setting the dynamic limit to exactly what the launch uses is always valid.
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
           tile + (la * Grad::kRowPixels + column) * Tile::kSlab + lane_c * L,
           [&](int i) { return load_vec<float, L>(&taps[i][lane_c * L]); }, acc);
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), x = 2 * (t.digit[0] * Tile::kOutW + column);
-      store_quad<true, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c, y, x, H, W, C, c, vector_stores, slope,
+      store_quad<true, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c, y, x, H, W, C, c,
+                             vector_stores, slope,
                              [&](int py, int px) {
                                return tile + Tile::kPreAt +
                                       ((Tile::kPad + 2 * la + py) * Input::kRowPixels +

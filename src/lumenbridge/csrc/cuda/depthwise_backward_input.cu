@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
           },
           acc);
       const int y = 2 * (t.digit[2] * Tile::kQuadH + la), x = 2 * (t.digit[1] * Tile::kQuadW + qx);
-      store_quad<SLOPE, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[3]) * H * W * C + c, y, x, H, W, C, c, vector_stores, slope,
+      store_quad<SLOPE, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[3]) * H * W * C + c, y, x, H, W, C, c,
+                              vector_stores, slope,
                               [&](int py, int px) {
                                 return tile + Grad::kElems +
                                        ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab + lane_c * L;

@@ -61,7 +61,6 @@ __device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T
   });
 }
 
-
 // The gradient of x at one quad (a, b), this thread's L channels: grad_output
 // rows a + kMin .. a + kMax through the taps each parity takes (known at
 // compile time). `window` is the quad's first grad_output pixel (row

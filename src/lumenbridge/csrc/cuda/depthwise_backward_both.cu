@@ -5,15 +5,17 @@
 // and depthwise_backward_weight.cu each read both).
 //
 // A tile is 8 x 8 quads of one image and a 32-channel slab: the 16 x 16 input
-// pixels the quads cover, and the 8 x 8 outputs at the same indices (at
-// stride 2 with K odd, Ho = ceil(H / 2)). Its shared window holds grad_output
-// over the quads' reach, pre over every input pixel the tile's outputs read
-// (which includes the quads' own pixels), and x = act(pre) over the same
-// pixels, computed once as the tile lands. Each thread computes the gradient
-// of pre at its quads (as depthwise_backward_input.cu does, with the slope
-// read from pre; the taps come from shared memory, so that registers hold
-// the weight sums across tiles), then adds its outputs' terms to the taps'
-// and bias's sums.
+// pixels the quads cover. Its shared window holds grad_output over the quads'
+// reach and pre at the quads' pixels. The weight gradient is gathered the
+// way the input gradient is: each (input pixel, tap, output) triple the input
+// gradient visits adds w[tap] g[output] to the pixel's gradient and
+// x[pixel] g[output] to the tap's sum, and every (output, tap) pair whose
+// pixel lies in the image is one such triple (pixels outside it hold x = 0:
+// zero fill, act(0) = 0). So each thread computes x = act(pre) and the slope
+// at its own pixels only, in registers: no halo, no activation pass over the
+// window. The bias sums each output once, at the centre tap (pixel 2a, 2b).
+// The taps come from shared memory, so that registers hold the sums across
+// tiles.
 // The weight sums are deterministic as depthwise_backward_weight.cu's: each
 // block takes a fixed run of tiles (weight_partials.cuh) and pass 2 sums the
 // blocks in a fixed order (partial_sums.cuh).
@@ -33,21 +35,16 @@ namespace {
 template <typename T, int K>
 struct BothGradientsTile : NhwcLanes {
   using Reach = QuadReach<K>;
-  static constexpr int kPad = K / 2;
-  static constexpr int kOutW = 8, kOutH = 8;  // quads, and outputs, per tile (weight_partials.cuh's split)
-  static constexpr int kRows = 2;             // quad (and output) rows per thread
+  static constexpr int kOutW = 8, kOutH = 8;  // quads per tile (weight_partials.cuh's split; outputs too)
+  static constexpr int kRows = 2;             // quad rows per thread
   static constexpr int kThreads = kChannelThreads * kOutW * (kOutH / kRows);
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kSums = K * K + 1;  // taps, then the bias
   using Grad = PixelWindow<kOutH + Reach::kSpan, kOutW + Reach::kSpan, 1, kSlab>;
-  // Input rows 2 * y0 - kPad .. 2 * (y0 + kOutH - 1) - kPad + K - 1 for the
-  // outputs; the quads' own 2 * y0 .. 2 * y0 + 2 * kOutH - 1 lie inside them.
-  static constexpr int kInExtent = (kOutH - 1) * 2 + K;
-  static_assert(kPad + 2 * kOutH <= kInExtent, "the quads' pixels inside the window");
-  // Columns de-interleaved by two: threads a quad apart read adjacent pixels.
-  using Input = PixelWindow<kInExtent, kInExtent, 2, kSlab>;
-  static constexpr int kPreAt = Grad::kElems, kXAt = kPreAt + Input::kElems;
-  static constexpr int kElems = kXAt + Input::kElems;
+  // The quads' own pixels, columns de-interleaved by two: threads a quad
+  // apart read adjacent pixels.
+  using Pre = PixelWindow<2 * kOutH, 2 * kOutW, 2, kSlab>;
+  static constexpr int kPreAt = Grad::kElems, kElems = kPreAt + Pre::kElems;
   static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
   static constexpr size_t kPipelineBytes = kStages * kElems * sizeof(T);
   // The sums go through the tile buffers once the pipeline is done.
@@ -56,15 +53,38 @@ struct BothGradientsTile : NhwcLanes {
   // The taps, in float, beside the dynamic buffers.
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
   static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes;
-  // Where the window does not fit an sm_90 block (fp32 at K = 7), or where a
-  // thread's K * K + 1 sums of four channels would not fit in registers beside
-  // the input gradient's work (K = 7: 200), the two kernels run instead; so
-  // they do on a device with less shared memory a block (activated_depthwise_backward).
+  // Where a thread's K * K + 1 sums of four channels would not fit in
+  // registers beside the input gradient's work (K = 7: 200), or the window
+  // not in an sm_90 block, the two kernels run instead; so they do on a
+  // device with less shared memory a block (activated_depthwise_backward).
   static constexpr bool kCovered = kBlockBytes <= static_cast<size_t>(kMaxSharedBytes) && K <= 5;
-  // Two blocks an SM (128 registers) where two windows fit: half types at
-  // K = 3. Elsewhere one, with the registers the sums need.
-  static constexpr int kMinBlocks = K == 3 && 2 * kBlockBytes <= static_cast<size_t>(kMaxSharedBytes) ? 2 : 1;
+  // Two blocks an SM (128 registers) in half types at K = 3; fp32's values
+  // and K = 5's 26 sums of four channels need more.
+  static constexpr int kMinBlocks = K == 3 && sizeof(T) == 2 ? 2 : 1;
 };
+
+// x = act(pre) at one pixel, this thread's L channels, as the forward's
+// kernels take it: bf16 and fp16 in the packed form (activate_pair), float in
+// ATen's form.
+template <typename T, int L>
+__device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const InputActivation& act, float (&x)[L]) {
+  if constexpr (std::is_same_v<T, float>) {
+    dispatch_activation(act.kind, [&](auto a) {
+#pragma unroll
+      for (int e = 0; e < L; ++e) x[e] = activation_value<decltype(a)::value>(pre.v[e]);
+    });
+  } else {
+    static_assert(L % 2 == 0, "the packed activation takes pairs");
+    const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
+#pragma unroll
+    for (int h = 0; h < L / 2; ++h) {
+      const float2 v = unpack2<T>(pairs[h]);
+      const float2 a = unpack2<T>(act.kind == Activation::NONE ? pairs[h] : activate_pair<T>(v.x, v.y, act.form));
+      x[2 * h] = a.x;
+      x[2 * h + 1] = a.y;
+    }
+  }
+}
 
 template <typename T, int K>
 __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradientsTile<T, K>::kMinBlocks)
@@ -76,11 +96,12 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
                                            int tiles_per_block, int chunks) {
   using Tile = BothGradientsTile<T, K>;
   using Grad = typename Tile::Grad;
-  using Input = typename Tile::Input;
+  using Pre = typename Tile::Pre;
   using Reach = typename Tile::Reach;
   constexpr int L = Tile::kLane, R = Tile::kRows, kSums = Tile::kSums;
-  // One chunk's address at a time: with more in flight, the weight sums
-  // spill at K = 3 (128 registers for two blocks an SM).
+  constexpr int kCentre = (K / 2) * K + K / 2;  // the tap that takes pixel (2a, 2b) from output (a, b)
+  // One chunk's address at a time: with more in flight, the sums spill at
+  // K = 3 (128 registers for two blocks an SM).
   constexpr int kLoadUnroll = 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
@@ -108,83 +129,49 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
           tile, grad_output + image * Ho * Wo * C, Ho, Wo, C, y0 + Reach::kMin, x0 + Reach::kMin, c0, tid);
     });
     dispatch_chunk<T>(pre_chunk, [&](auto width) {
-      load_pixel_window<Input, Tile::kThreads, decltype(width)::value, kLoadUnroll>(
-          tile + Tile::kPreAt, pre + image * H * W * C, H, W, C, 2 * y0 - Tile::kPad, 2 * x0 - Tile::kPad, c0, tid);
-    });
-  };
-  auto landed = [&](T* tile) {
-    dispatch_chunk<T>(pre_chunk, [&](auto width) {
-      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile + Tile::kPreAt, tile + Tile::kXAt, tid,
-                                                                         activation);
+      load_pixel_window<Pre, Tile::kThreads, decltype(width)::value, kLoadUnroll>(
+          tile + Tile::kPreAt, pre + image * H * W * C, H, W, C, 2 * y0, 2 * x0, c0, tid);
     });
   };
 
-  // The gradient of pre at this thread's quads, with the taps from shared memory.
-  auto input_gradient = [&](const T* tile, const TileCursor<3>& t) {
-    // A row at a time: unrolled, both rows' taps stay live and the sums spill.
+  float sums[kSums][L] = {};
+  auto compute = [&](const T* tile, const TileCursor<3>& t) {
+    // A row at a time: unrolled, both rows' pixels stay live and the sums spill.
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      float acc[2][2][L] = {};
-      gather_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
-          tile + (la * Grad::kRowPixels + column) * Tile::kSlab + lane_c * L,
-          [&](int i) { return load_vec<float, L>(&taps[i][lane_c * L]); }, acc);
-      const int y = 2 * (t.digit[1] * Tile::kOutH + la), x = 2 * (t.digit[0] * Tile::kOutW + column);
-      store_quad<true, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c, y, x, H, W, C, c,
-                             vector_stores, slope,
-                             [&](int py, int px) {
-                               return tile + Tile::kPreAt +
-                                      ((Tile::kPad + 2 * la + py) * Input::kRowPixels +
-                                       Input::column(Tile::kPad + 2 * column + px)) *
-                                          Tile::kSlab +
-                                      lane_c * L;
-                             });
-    }
-  };
-
-  // The taps and bias over output (a, b): x at window rows 2a .. 2a + K - 1
-  // (the window starts kPad above the quads' pixels); a thread's R outputs
-  // share rows.
-  float sums[kSums][L] = {};
-  auto weight_sums = [&](const T* tile) {
-    float g[R][L];
+      const auto pre_at = [&](int py, int px) {
+        return load_vec<T, L>(tile + Tile::kPreAt +
+                              ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Tile::kSlab +
+                              lane_c * L);
+      };
+      float x[2][2][L];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const Vec<T, L> value = load_vec<T, L>(
-          tile + ((row0 + r - Reach::kMin) * Grad::kRowPixels + column - Reach::kMin) * Tile::kSlab + lane_c * L);
+      for (int py = 0; py < 2; ++py) {
 #pragma unroll
-      for (int e = 0; e < L; ++e) {
-        g[r][e] = static_cast<float>(value.v[e]);
-        sums[K * K][e] += g[r][e];
+        for (int px = 0; px < 2; ++px) activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
       }
-    }
-    const T* x = tile + Tile::kXAt + lane_c * L;
-#pragma unroll
-    for (int ir = 0; ir < (R - 1) * 2 + K; ++ir) {
-#pragma unroll
-      for (int kx = 0; kx < K; ++kx) {
-        const Vec<T, L> pixel =
-            load_vec<T, L>(x + ((2 * row0 + ir) * Input::kRowPixels + Input::column(2 * column + kx)) * Tile::kSlab);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int ky = ir - 2 * r;  // compile-time once unrolled
-          if (ky >= 0 && ky < K) {
+      float acc[2][2][L] = {};
+      visit_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
+          tile + (la * Grad::kRowPixels + column) * Tile::kSlab + lane_c * L,
+          [&](int py, int px, int tap, const float(&g)[L]) {
+            const Vec<float, L> w = load_vec<float, L>(&taps[tap][lane_c * L]);
 #pragma unroll
             for (int e = 0; e < L; ++e) {
-              sums[ky * K + kx][e] = fmaf(g[r][e], static_cast<float>(pixel.v[e]), sums[ky * K + kx][e]);
+              acc[py][px][e] = fmaf(w.v[e], g[e], acc[py][px][e]);
+              sums[tap][e] = fmaf(x[py][px][e], g[e], sums[tap][e]);
+              if (py == 0 && px == 0 && tap == kCentre) sums[K * K][e] += g[e];
             }
-          }
-        }
-      }
+          });
+      const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
+      store_quad<true, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c, y, xs, H, W, C, c,
+                             vector_stores, slope, pre_at);
     }
   };
 
   const int first = chunk * tiles_per_block;  // items fits an int (split_work)
   run_tile_pipeline<Tile::kStages>(space, first, min(tiles_per_block, items - first), buffers, Tile::kElems, load,
-                                   landed, NoStep{}, [&](const T* tile, const TileCursor<3>& t) {
-                                     input_gradient(tile, t);
-                                     weight_sums(tile);
-                                   });
+                                   NoStep{}, NoStep{}, compute);
   cp_async_wait_pending<0>();
   __syncthreads();
   store_slab_partials<Tile::kWarps>(sums, reinterpret_cast<float*>(shared_bytes), tid, c0, C, chunk, chunks,

@@ -180,21 +180,19 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
     for (int q = 0; q < Tile::kQRows; ++q) {
       const int la = qy * Tile::kQRows + q;
       float acc[2][2][L] = {};
-      gather_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
+      visit_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
           tile + (la * Grad::kRowPixels + qx) * Tile::kSlab + lane_c * L,
-          [&](int i) {
-            Vec<float, L> tap;
+          [&](int py, int px, int t, const float(&g)[L]) {
 #pragma unroll
-            for (int e = 0; e < L; ++e) tap.v[e] = w[i][e];
-            return tap;
-          },
-          acc);
+            for (int e = 0; e < L; ++e) acc[py][px][e] = fmaf(w[t][e], g[e], acc[py][px][e]);
+          });
       const int y = 2 * (t.digit[2] * Tile::kQuadH + la), x = 2 * (t.digit[1] * Tile::kQuadW + qx);
       store_quad<SLOPE, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[3]) * H * W * C + c, y, x, H, W, C, c,
                               vector_stores, slope,
                               [&](int py, int px) {
-                                return tile + Grad::kElems +
-                                       ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab + lane_c * L;
+                                return load_vec<T, L>(tile + Grad::kElems +
+                                                      ((2 * la + py) * Pre::kRowPixels + 2 * qx + px) * Tile::kSlab +
+                                                      lane_c * L);
                               });
     }
   };

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(NhwcForwardTile<T, K, S>::kThreads, K == 3 ? 2
 
   auto landed = [&](T* tile) {
     dispatch_chunk<T>(chunk, [&](auto width) {
-      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tile, tid, input_activation);
+      activate_own_chunks<Input, Tile::kThreads, decltype(width)::value>(tile, tid, input_activation);
     });
   };
 

@@ -114,17 +114,16 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 // ATen's exact form.
 using InputActivation = PackedChoice<ActivationForm>;
 
-// Applies the activation to the chunks this thread copied with
-// load_pixel_window into the Window at `from`, rounding to T, and stores them
-// at the same places of the Window at `to` (which may be `from`). A thread
-// sees its own asynchronous copies once it has waited for them, so this runs
-// before the barrier that publishes the tile. Zero fill stays zero: act(0) = 0.
+// Applies the activation in place to the chunks this thread copied with
+// load_pixel_window, rounding to T. A thread sees its own asynchronous
+// copies once it has waited for them, so this runs before the barrier that
+// publishes the tile. Zero fill stays zero: act(0) = 0.
 template <typename Window, int THREADS, int CHUNK, typename T>
-__device__ __forceinline__ void activate_own_chunks(const T* from, T* to, int tid, const InputActivation& act) {
-  if (act.kind == Activation::NONE && from == to) return;
+__device__ __forceinline__ void activate_own_chunks(T* tile, int tid, const InputActivation& act) {
+  if (act.kind == Activation::NONE) return;
   for_each_own_chunk<Window, THREADS, CHUNK>(tid, [&](unsigned r, unsigned j, unsigned q) {
-    const unsigned at = chunk_offset<Window, CHUNK>(r, j, q);
-    Vec<T, CHUNK> v = load_vec<T, CHUNK>(from + at);
+    T* chunk = tile + chunk_offset<Window, CHUNK>(r, j, q);
+    Vec<T, CHUNK> v = load_vec<T, CHUNK>(chunk);
     if constexpr (std::is_same_v<T, float>) {
       dispatch_activation(act.kind, [&](auto a) {
 #pragma unroll
@@ -141,7 +140,7 @@ __device__ __forceinline__ void activate_own_chunks(const T* from, T* to, int ti
         words[w] = activate_pair<T>(pair.x, pair.y, act.form);
       }
     }
-    store_vec<T, CHUNK>(to + at, v);
+    store_vec<T, CHUNK>(chunk, v);
   });
 }
 

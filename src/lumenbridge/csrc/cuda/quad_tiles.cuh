@@ -1,8 +1,9 @@
 // The stride-2 input gradient's quads, shared by the NHWC kernels that
 // compute it (depthwise_backward_input.cu, and with the weight gradient,
-// depthwise_backward_both.cu): which taps reach each parity of a quad, a
-// quad's gradient gathered from a shared grad_output window, and its stores,
-// scaled by the activation's slope.
+// depthwise_backward_both.cu): which taps reach each parity of a quad, the
+// visit of a quad's (pixel, tap, grad_output) triples from a shared
+// grad_output window, and the stores of its gradient, scaled by the
+// activation's slope.
 #pragma once
 
 #include "common.cuh"
@@ -61,14 +62,16 @@ __device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T
   });
 }
 
-// The gradient of x at one quad (a, b), this thread's L channels: grad_output
-// rows a + kMin .. a + kMax through the taps each parity takes (known at
+// Visits every (pixel, tap, grad_output pixel) triple of one quad (a, b),
+// this thread's L channels: term(py, px, t, g) for pixel (2a + py, 2b + px),
+// tap t = i * K + j and g the grad_output values that tap reaches it from
+// (rows a + kMin .. a + kMax; which taps each parity takes is known at
 // compile time). `window` is the quad's first grad_output pixel (row
 // a + kMin, column b + kMin), this thread's channels, in a shared window of
-// ROW_PIXELS pixels a row and SLAB channels a pixel; tap(t) gives tap t's L
-// weights as a Vec<float, L>.
-template <typename T, int K, int L, int ROW_PIXELS, int SLAB, typename Tap>
-__device__ __forceinline__ void gather_quad(const T* window, Tap&& tap, float (&acc)[2][2][L]) {
+// ROW_PIXELS pixels a row and SLAB channels a pixel. Every (output, tap)
+// pair whose input pixel lies in a quad is visited exactly once.
+template <typename T, int K, int L, int ROW_PIXELS, int SLAB, typename Term>
+__device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
   using Reach = QuadReach<K>;
   constexpr int kCols = Reach::kSpan + 1;
 #pragma unroll
@@ -89,11 +92,7 @@ __device__ __forceinline__ void gather_quad(const T* window, Tap&& tap, float (&
         for (int px = 0; px < 2; ++px) {
 #pragma unroll
           for (int j = 0; j < K; ++j) {
-            if (!Reach::contributes(px, j)) continue;
-            const int col = Reach::offset(px, j) - Reach::kMin;
-            const Vec<float, L> w = tap(i * K + j);
-#pragma unroll
-            for (int e = 0; e < L; ++e) acc[py][px][e] = fmaf(w.v[e], g[col][e], acc[py][px][e]);
+            if (Reach::contributes(px, j)) term(py, px, i * K + j, g[Reach::offset(px, j) - Reach::kMin]);
           }
         }
       }
@@ -104,7 +103,7 @@ __device__ __forceinline__ void gather_quad(const T* window, Tap&& tap, float (&
 // Stores a quad's gradients acc[py][px] at pixel (y + py, x + px) of an NHWC
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
 // image left out; with SLOPE each is first scaled by the slope at the
-// pre-activation pre_at(py, px) (this thread's channels in shared memory).
+// pre-activation pre_at(py, px) (a Vec<T, L> of this thread's channels).
 template <bool SLOPE, typename T, int L, typename PreAt>
 __device__ __forceinline__ void store_quad(float (&acc)[2][2][L], T* image, int y, int x, int H, int W, int C, int c,
                                            bool vector_stores, const OutputSlope& slope, PreAt&& pre_at) {
@@ -113,7 +112,7 @@ __device__ __forceinline__ void store_quad(float (&acc)[2][2][L], T* image, int 
 #pragma unroll
     for (int px = 0; px < 2; ++px) {
       if (y + py >= H || x + px >= W) continue;
-      if constexpr (SLOPE) multiply_by_slope<T, L>(acc[py][px], load_vec<T, L>(pre_at(py, px)), slope);
+      if constexpr (SLOPE) multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
       T* dst = image + (static_cast<int64_t>(y + py) * W + x + px) * C;
       if (vector_stores && c + L <= C) {
         Vec<T, L> result;

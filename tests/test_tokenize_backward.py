@@ -57,6 +57,21 @@ def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, r
     assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
 
 
+@pytest.mark.parametrize("channels", [1, 4, 7])
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_for_other_image_channel_counts(channels, device, native_ops, request):
+    """The second stage's depthwise backward takes its input as the first
+    stage's rows times its pointwise terms: on CUDA computed in the kernel
+    for up to three image channels (four terms), composed for more; within
+    the rule either way."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    config = dataclasses.replace(NARROW, in_chans=channels, mean=(0.45,) * channels, std=(0.25,) * channels)
+    images = torch.randint(0, 256, (2, channels, 16, 32), dtype=torch.uint8)
+    model = VisualTokenizer(config, seed=0)
+    assert_within(compare_gradients_to_float64(model, images, op, torch.bfloat16, device))
+
+
 def floating_tensors(args):
     """tokenize's floating tensor arguments, flat, and how to put others in their place."""
     leaves, spec = pytree.tree_flatten(args)

@@ -6,10 +6,14 @@
 //   backward_weight  (grad_weight, grad_bias) against x
 //   backward_input   the gradient of pre: act'(pre) times that of x
 //   backward         both: (gradient of pre, grad_weight, grad_bias)
+//   backward_from_rows  both, with pre given as the previous stage's
+//                    depthwise rows and pointwise terms (pre_from_rows)
 // On CUDA the NHWC kernels apply act to their input tiles as they land, so x
 // never reaches device memory, and the stride-2 input gradient multiplies by
 // the slope as it stores, so the gradient of x never does; at stride 2,
-// backward reads pre and grad_output once for both gradients. The other
+// backward reads pre and grad_output once for both gradients, and
+// backward_from_rows computes pre from the rows as it loads them (for up to
+// four terms), so pre never reaches device memory. The other
 // cases, and the CPU, run the ATen forms (activation.h) around the plain
 // kernels.
 #pragma once
@@ -32,7 +36,10 @@ namespace lumenbridge {
       const at::Tensor& grad_output, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation); \
   std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(                             \
       const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre, const DepthwiseProblem& p, \
-      Activation activation);
+      Activation activation);                                                                              \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward_from_rows(                    \
+      const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& rows,                      \
+      const at::Tensor& pointwise, const DepthwiseProblem& p, Activation activation);
 
 namespace cpu {
 LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
@@ -52,6 +59,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_in_two_
     const at::Tensor& weight, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation) {
   auto [grad_weight, grad_bias] = weight_pass(grad_output, pre, p, activation);
   return {input_pass(grad_output, weight, pre, p, activation), grad_weight, grad_bias};
+}
+
+// pre as [N, C, H, W], dense in the problem's layout, from the previous
+// stage's depthwise rows [N * H * W, >= terms] and its pointwise terms
+// [C, terms] (weight columns, then the bias, which the rows' ones column
+// carries): the first `terms` columns of the rows times pointwise^T.
+inline at::Tensor pre_from_rows(const at::Tensor& rows, const at::Tensor& pointwise, const DepthwiseProblem& p) {
+  return at::mm(rows.narrow(1, 0, pointwise.size(1)), pointwise.t())
+      .view({p.N, p.H, p.W, p.C})
+      .permute({0, 3, 1, 2})
+      .contiguous(p.memory_format());
 }
 
 }  // namespace lumenbridge

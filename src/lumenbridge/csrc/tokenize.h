@@ -89,6 +89,7 @@ struct BackwardKernels {
   decltype(&cpu::activated_depthwise_backward_input) depthwise_backward_input;
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
   decltype(&cpu::activated_depthwise_backward) depthwise_backward;  // both at once
+  decltype(&cpu::activated_depthwise_backward_from_rows) depthwise_backward_from_rows;
   decltype(&layer_norm_backward_aten) layer_norm_backward;
 };
 

@@ -51,6 +51,18 @@ Layout depthwise_layout(const TokenizeStage& s) {
   return s.in_channels < kMinNhwcChannels ? Layout::NCHW : Layout::NHWC;
 }
 
+// Whether stage i's depthwise backward takes its input before the activation
+// as the previous stage's depthwise rows and pointwise terms
+// (depthwise_backward_from_rows) instead of as a tensor: where those rows are
+// narrow (the previous stage's few input channels: the images'), given the
+// rows are kept (`rows_kept`: the parameters get gradients) and no stage norm
+// lies between. Then the recompute skips the previous stage's pointwise
+// output, the presets' largest tensor (112 x 112 x 96), and the CUDA kernel
+// computes it as it loads the rows.
+bool backward_reads_rows(const TokenizeProblem& p, size_t i, bool rows_kept) {
+  return i > 0 && rows_kept && p.stage_norm == StageNorm::NONE && depthwise_layout(p.stages[i - 1]) == Layout::NCHW;
+}
+
 // The activation a stage's depthwise kernels apply to their input: the one
 // between stages, none before the first (the images).
 Activation activation_before(size_t stage, const TokenizeProblem& p) {
@@ -67,13 +79,14 @@ Activation activation_before(size_t stage, const TokenizeProblem& p) {
 constexpr int64_t kGemmColumns = 8;
 int64_t padding_columns(int64_t columns) { return (kGemmColumns - columns % kGemmColumns) % kGemmColumns; }
 
-// The pointwise weight and bias as the forward GEMM's [Cout, depthwise_row_width(Cin)].
+// The pointwise weight and bias as [Cout, Cin + 1], the rows' first columns'
+// terms; and as the forward GEMM's [Cout, depthwise_row_width(Cin)].
+at::Tensor pointwise_terms(const TokenizeStage& s) {
+  return at::cat({s.pw_weight.view({s.out_channels, s.in_channels}), s.pw_bias.view({s.out_channels, 1})}, 1);
+}
+
 at::Tensor pointwise_matrix(const TokenizeStage& s) {
-  const int64_t cin = s.in_channels;
-  at::Tensor w = at::zeros({s.out_channels, depthwise_row_width(cin)}, s.pw_weight.options());
-  w.narrow(1, 0, cin).copy_(s.pw_weight.view({s.out_channels, cin}));
-  w.select(1, cin).copy_(s.pw_bias);
-  return w;
+  return at::constant_pad_nd(pointwise_terms(s), {0, depthwise_row_width(s.in_channels) - s.in_channels - 1});
 }
 
 // The pointwise weight as the input gradient's GEMM takes it: [Cout, Cin],
@@ -159,7 +172,8 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
 
 // The forward once more: each stage's pointwise output (before its norm;
 // with keep_outputs false, the last stage's only, the others released as the
-// next stage takes them) and, for the pointwise weight gradients, its
+// next stage takes them; none where the backward reads the next stage's
+// input from rows) and, for the pointwise weight gradients, its
 // depthwise output as the GEMMs' rows (a quarter of the pointwise outputs'
 // bytes at the presets' widths, kept rather than recomputed), taken from
 // `saved` where the training forward saved them.
@@ -175,22 +189,31 @@ Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, con
     const TokenizeStage& s = p.stages[i];
     const bool last = i + 1 == p.stages.size();
     at::Tensor rows_of_d = i > 0 && !saved.empty() ? saved[i - 1] : depthwise_rows(pre, p, i, kernels);
-    at::Tensor output = pointwise(rows_of_d, s, p);
+    const bool kept = last || (keep_outputs && !backward_reads_rows(p, i + 1, keep_depthwise));
+    const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
+    at::Tensor output = kept || feeds_next ? pointwise(rows_of_d, s, p) : at::Tensor();
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
-    if (!last && saved.empty()) pre = apply_stage_norm(output, s, p);
-    r.outputs.push_back(keep_outputs || last ? std::move(output) : at::Tensor());
+    if (feeds_next) pre = apply_stage_norm(output, s, p);
+    r.outputs.push_back(kept ? std::move(output) : at::Tensor());
   }
   return r;
 }
 
+// A stage's input before the activation (n_{i-1}; the images for the first
+// stage), as its depthwise backward takes it: `pre`, dense in the stage's
+// depthwise layout (undefined for the first stage when no weight gradient is
+// asked for), or where backward_reads_rows the previous stage's depthwise
+// `rows` and `pointwise` terms.
+struct StageInput {
+  at::Tensor pre, rows, pointwise;
+};
+
 // One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output, `depthwise` its depthwise rows and `pre`
-// its input before the activation (n_{i-1}; the images for the first stage,
-// undefined there when no weight gradient is asked for), dense in the stage's
-// depthwise layout (all taken over, so they are released as soon as they are
-// used). The parameters' gradients go into `grads`; returns the gradient of
-// `pre`, undefined when the first stage needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, at::Tensor pre, size_t i,
+// `output` its pointwise output, `depthwise` its depthwise rows and `input`
+// its input (all taken over, so they are released as soon as they are used).
+// The parameters' gradients go into `grads`; returns the gradient of its
+// input before the activation, undefined when the first stage needs none.
+at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, StageInput input, size_t i,
                           const TokenizeProblem& p, TokenizeGradMask mask, const BackwardKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
@@ -219,14 +242,17 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
   if (mask.parameters && input_gradient) {
     at::Tensor grad_pre;
     std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
-        kernels.depthwise_backward(g_d, s.dw_weight, pre, dw, activation);
+        input.rows.defined() ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise,
+                                                                    dw, activation)
+                             : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, activation);
     return grad_pre;
   }
   if (mask.parameters) {
-    std::tie(grads.dw_weights[i], grads.dw_biases[i]) = kernels.depthwise_backward_weight(g_d, pre, dw, activation);
+    std::tie(grads.dw_weights[i], grads.dw_biases[i]) =
+        kernels.depthwise_backward_weight(g_d, input.pre, dw, activation);
   }
   if (!input_gradient) return at::Tensor();
-  return kernels.depthwise_backward_input(g_d, s.dw_weight, pre, dw, activation);
+  return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, activation);
 }
 
 }  // namespace
@@ -277,15 +303,19 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
   }
   for (size_t i = S; i-- > 0;) {
     // The stage input before its activation: the previous stage's normed
-    // output, or the images (needed for the weight gradient only).
-    at::Tensor pre;
-    if (i > 0) {
-      pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
+    // output (or its rows, which that stage still needs), or the images
+    // (needed for the weight gradient only).
+    StageInput input;
+    if (backward_reads_rows(p, i, mask.parameters)) {
+      input.rows = forward.depthwise[i - 1];
+      input.pointwise = pointwise_terms(p.stages[i - 1]);
+    } else if (i > 0) {
+      input.pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
     } else if (mask.parameters) {
-      pre = std::move(x0);
+      input.pre = std::move(x0);
     }
     at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(forward.depthwise[i]),
-                                    std::move(pre), i, p, mask, kernels, grads);
+                                    std::move(input), i, p, mask, kernels, grads);
     if (i > 0) {
       g = std::move(g_x);
     } else if (mask.images) {
@@ -298,8 +328,9 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
 
 namespace cpu {
 BackwardKernels backward_kernels() {
-  return {&cpu::activated_depthwise_forward_into, &cpu::activated_depthwise_backward_input,
-          &cpu::activated_depthwise_backward_weight, &cpu::activated_depthwise_backward, &layer_norm_backward_aten};
+  return {&cpu::activated_depthwise_forward_into,      &cpu::activated_depthwise_backward_input,
+          &cpu::activated_depthwise_backward_weight,   &cpu::activated_depthwise_backward,
+          &cpu::activated_depthwise_backward_from_rows, &layer_norm_backward_aten};
 }
 
 std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
@@ -315,8 +346,9 @@ TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor&
 #ifdef LUMENBRIDGE_WITH_CUDA
 namespace cuda {
 BackwardKernels backward_kernels() {
-  return {&cuda::activated_depthwise_forward_into, &cuda::activated_depthwise_backward_input,
-          &cuda::activated_depthwise_backward_weight, &cuda::activated_depthwise_backward, &cuda::layer_norm_backward};
+  return {&cuda::activated_depthwise_forward_into,      &cuda::activated_depthwise_backward_input,
+          &cuda::activated_depthwise_backward_weight,   &cuda::activated_depthwise_backward,
+          &cuda::activated_depthwise_backward_from_rows, &cuda::layer_norm_backward};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

@@ -506,4 +506,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
                                          grad_output, weight, pre, p, activation);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward_from_rows(
+    const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& rows, const at::Tensor& pointwise,
+    const DepthwiseProblem& p, Activation activation) {
+  return activated_depthwise_backward(grad_output, weight, pre_from_rows(rows, pointwise, p), p, activation);
+}
+
 }  // namespace lumenbridge::cpu

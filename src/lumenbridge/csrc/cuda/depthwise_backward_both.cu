@@ -32,7 +32,14 @@ namespace lumenbridge {
 namespace cuda {
 namespace {
 
-template <typename T, int K>
+// Where FROM_ROWS, pre is not read but computed: pre = rows[:, :terms]
+// pointwise^T at each pixel, from the previous stage's depthwise rows (its
+// pointwise GEMM's operand, kRowWidth wide) and its pointwise weight and bias
+// (`terms` <= kRowTerms columns). So a stage whose input comes from a narrow
+// stage (the images' 3 channels) never needs that input in device memory.
+constexpr int kRowWidth = 8, kRowTerms = 4;
+
+template <typename T, int K, bool FROM_ROWS>
 struct BothGradientsTile : NhwcLanes {
   using Reach = QuadReach<K>;
   static constexpr int kOutW = 8, kOutH = 8;  // quads per tile (weight_partials.cuh's split; outputs too)
@@ -41,18 +48,22 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kSums = K * K + 1;  // taps, then the bias
   using Grad = PixelWindow<kOutH + Reach::kSpan, kOutW + Reach::kSpan, 1, kSlab>;
-  // The quads' own pixels, columns de-interleaved by two: threads a quad
-  // apart read adjacent pixels.
-  using Pre = PixelWindow<2 * kOutH, 2 * kOutW, 2, kSlab>;
+  // The quads' own pixels (pre's slab, or the rows), columns de-interleaved
+  // by two: threads a quad apart read adjacent pixels.
+  using Pre = PixelWindow<2 * kOutH, 2 * kOutW, 2, FROM_ROWS ? kRowWidth : kSlab>;
   static constexpr int kPreAt = Grad::kElems, kElems = kPreAt + Pre::kElems;
   static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
   static constexpr size_t kPipelineBytes = kStages * kElems * sizeof(T);
   // The sums go through the tile buffers once the pipeline is done.
   static constexpr size_t kReduceBytes = sizeof(float) * kWarps * kSums * kSlab;
   static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
-  // The taps, in float, beside the dynamic buffers.
+  // Beside the dynamic buffers: the taps in float, and where FROM_ROWS the
+  // pointwise terms in float and each thread's pre values at its pixels
+  // (computed before the visit, read again by the slope at the store).
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
-  static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes;
+  static constexpr size_t kFromRowsBytes =
+      FROM_ROWS ? sizeof(float) * kSlab * kRowTerms + sizeof(T) * 4 * kRows * kLane * kThreads : 0;
+  static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes + kFromRowsBytes;
   // Where a thread's K * K + 1 sums of four channels would not fit in
   // registers beside the input gradient's work (K = 7: 200), or the window
   // not in an sm_90 block, the two kernels run instead; so they do on a
@@ -86,15 +97,26 @@ __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const Input
   }
 }
 
-template <typename T, int K>
-__global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradientsTile<T, K>::kMinBlocks)
+// Where pre comes from: pre itself ([N, H, W, C]), or (FROM_ROWS) the rows
+// ([N * H * W, kRowWidth]) and the pointwise terms ([C, terms]).
+template <typename T>
+struct PreSource {
+  const T* values;
+  int chunk;  // chunk_width of values
+  const T* pointwise;
+  int terms;
+};
+
+template <typename T, int K, bool FROM_ROWS>
+__global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
+                                  BothGradientsTile<T, K, FROM_ROWS>::kMinBlocks)
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
-                                           const T* __restrict__ pre, T* __restrict__ grad_input,
+                                           PreSource<T> source, T* __restrict__ grad_input,
                                            float* __restrict__ partials, InputActivation activation,
                                            OutputSlope slope, int C, int H, int W, int Ho, int Wo, int grad_chunk,
-                                           int pre_chunk, bool vector_stores, TileSpace<3> space, int items,
-                                           int tiles_per_block, int chunks) {
-  using Tile = BothGradientsTile<T, K>;
+                                           bool vector_stores, TileSpace<3> space, int items, int tiles_per_block,
+                                           int chunks) {
+  using Tile = BothGradientsTile<T, K, FROM_ROWS>;
   using Grad = typename Tile::Grad;
   using Pre = typename Tile::Pre;
   using Reach = typename Tile::Reach;
@@ -105,6 +127,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
   constexpr int kLoadUnroll = 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
+  __shared__ __align__(16) float pointwise[FROM_ROWS ? Tile::kSlab : 1][kRowTerms];
+  __shared__ __align__(16) Vec<T, L> own_pre[FROM_ROWS ? 4 * R : 1][FROM_ROWS ? Tile::kThreads : 1];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
   const int lane_c = tid % Tile::kChannelThreads;
@@ -119,6 +143,13 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
     const int i = k / Tile::kSlab, ch = k % Tile::kSlab;
     taps[i][ch] = c0 + ch < C ? static_cast<float>(weight[(c0 + ch) * K * K + i]) : 0.0f;
   }
+  if constexpr (FROM_ROWS) {
+    for (int k = tid; k < Tile::kSlab * kRowTerms; k += Tile::kThreads) {
+      const int ch = k / kRowTerms, j = k % kRowTerms;
+      pointwise[ch][j] =
+          c0 + ch < C && j < source.terms ? static_cast<float>(source.pointwise[(c0 + ch) * source.terms + j]) : 0.0f;
+    }
+  }
 
   // Digits: tile column, tile row, image.
   auto load = [&](T* tile, const TileCursor<3>& t) {
@@ -128,22 +159,59 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
       load_pixel_window<Grad, Tile::kThreads, decltype(width)::value, kLoadUnroll>(
           tile, grad_output + image * Ho * Wo * C, Ho, Wo, C, y0 + Reach::kMin, x0 + Reach::kMin, c0, tid);
     });
-    dispatch_chunk<T>(pre_chunk, [&](auto width) {
-      load_pixel_window<Pre, Tile::kThreads, decltype(width)::value, kLoadUnroll>(
-          tile + Tile::kPreAt, pre + image * H * W * C, H, W, C, 2 * y0, 2 * x0, c0, tid);
+    dispatch_chunk<T>(source.chunk, [&](auto width) {
+      constexpr int kWidth = decltype(width)::value;
+      if constexpr (FROM_ROWS) {
+        load_pixel_window<Pre, Tile::kThreads, kWidth, kLoadUnroll>(
+            tile + Tile::kPreAt, source.values + image * H * W * kRowWidth, H, W, kRowWidth, 2 * y0, 2 * x0, 0, tid);
+      } else {
+        load_pixel_window<Pre, Tile::kThreads, kWidth, kLoadUnroll>(
+            tile + Tile::kPreAt, source.values + image * H * W * C, H, W, C, 2 * y0, 2 * x0, c0, tid);
+      }
     });
   };
 
   float sums[kSums][L] = {};
   auto compute = [&](const T* tile, const TileCursor<3>& t) {
+    const auto window_pixel = [&](int la, int py, int px) {
+      return tile + Tile::kPreAt + ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Pre::kSlab;
+    };
+    if constexpr (FROM_ROWS) {
+      // pre at this thread's pixels, both quad rows before either (the terms
+      // are then live here only), rounded to T as the GEMM that would have
+      // written pre rounds it. Zero rows (pixels past the image) give pre =
+      // 0: x = act(0) = 0.
+      float w[L][kRowTerms];
+#pragma unroll
+      for (int e = 0; e < L; ++e) {
+        const Vec<float, kRowTerms> terms = load_vec<float, kRowTerms>(pointwise[lane_c * L + e]);
+#pragma unroll
+        for (int j = 0; j < kRowTerms; ++j) w[e][j] = terms.v[j];
+      }
+#pragma unroll 4
+      for (int p = 0; p < 4 * R; ++p) {
+        const Vec<T, kRowTerms> row = load_vec<T, kRowTerms>(window_pixel(row0 + p / 4, p / 2 % 2, p % 2));
+        Vec<T, L> value;
+#pragma unroll
+        for (int e = 0; e < L; ++e) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], static_cast<float>(row.v[j]), sum);
+          value.v[e] = static_cast<T>(sum);
+        }
+        own_pre[p][tid] = value;
+      }
+    }
     // A row at a time: unrolled, both rows' pixels stay live and the sums spill.
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
       const auto pre_at = [&](int py, int px) {
-        return load_vec<T, L>(tile + Tile::kPreAt +
-                              ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Tile::kSlab +
-                              lane_c * L);
+        if constexpr (FROM_ROWS) {
+          return own_pre[4 * q + 2 * py + px][tid];
+        } else {
+          return load_vec<T, L>(window_pixel(la, py, px) + lane_c * L);
+        }
       };
       float x[2][2][L];
 #pragma unroll
@@ -178,53 +246,54 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K>::kThreads, BothGradien
                                     partials, [] { __syncthreads(); });
 }
 
-template <typename T, int K>
-void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre,
+template <typename T, int K, bool FROM_ROWS>
+void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const PreSource<T>& source,
                  Activation activation, at::Tensor& grad_input, float* partials, const WorkSplit& split,
                  const DepthwiseProblem& p, cudaStream_t stream) {
-  using Tile = BothGradientsTile<T, K>;
-  constexpr auto kernel = depthwise_backward_both_s2_nhwc_kernel<T, K>;
+  using Tile = BothGradientsTile<T, K, FROM_ROWS>;
+  constexpr auto kernel = depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
   const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input.data_ptr()}) == Tile::kLane;
   kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads, Tile::kSharedBytes,
-           stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), pre.const_data_ptr<T>(),
+           stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), source,
                      grad_input.mutable_data_ptr<T>(), partials,
                      InputActivation{activation, activation_form<T>(activation)},
                      OutputSlope{activation, gelu_slope_form<T>()}, static_cast<int>(p.C), static_cast<int>(p.H),
                      static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
-                     chunk_width<T>(p.C, grad_output.const_data_ptr()), chunk_width<T>(p.C, pre.const_data_ptr()),
-                     vector_stores, space, static_cast<int>(split.items), split.tiles_per_block,
-                     static_cast<int>(split.chunks));
+                     chunk_width<T>(p.C, grad_output.const_data_ptr()), vector_stores, space,
+                     static_cast<int>(split.items), split.tiles_per_block, static_cast<int>(split.chunks));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(const at::Tensor& grad_output,
-                                                                          const at::Tensor& weight,
-                                                                          const at::Tensor& pre,
-                                                                          const DepthwiseProblem& p,
-                                                                          Activation activation) {
-  const auto separately = [&] {
-    return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,
-                                            grad_output, weight, pre, p, activation);
-  };
+// Both gradients in one pass where the kernel covers the problem, pre read
+// from `values` (FROM_ROWS: computed from the rows `values` and `pointwise`);
+// elsewhere `separately()`.
+template <bool FROM_ROWS, typename Separately>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> one_pass_or(const at::Tensor& grad_output, const at::Tensor& weight,
+                                                           const at::Tensor& values, const at::Tensor& pointwise,
+                                                           const DepthwiseProblem& p, Activation activation,
+                                                           Separately&& separately) {
   if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return separately();
   check_extents_fit_int(p);
-  const c10::cuda::CUDAGuard guard(pre.device());
-  TORCH_INTERNAL_ASSERT(pre.sizes() == at::IntArrayRef({p.N, p.C, p.H, p.W}) &&
-                        grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
-                        pre.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+  const c10::cuda::CUDAGuard guard(values.device());
+  TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
                         grad_output.is_contiguous(at::MemoryFormat::ChannelsLast));
-  const auto options = pre.options();
+  if constexpr (FROM_ROWS) {
+    TORCH_INTERNAL_ASSERT(values.sizes() == at::IntArrayRef({p.N * p.H * p.W, kRowWidth}) && values.is_contiguous() &&
+                          pointwise.size(0) == p.C && pointwise.is_contiguous());
+  } else {
+    TORCH_INTERNAL_ASSERT(values.sizes() == at::IntArrayRef({p.N, p.C, p.H, p.W}) &&
+                          values.is_contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  const auto options = grad_output.options();
   std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
-  LUMENBRIDGE_DISPATCH_CUDA_TYPES(pre.scalar_type(), "lumenbridge_depthwise_backward_both", [&] {
+  LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad_output.scalar_type(), "lumenbridge_depthwise_backward_both", [&] {
     using T = scalar_t;
     dispatch_kernel_size(p.K, [&](auto k) {
       constexpr int K = decltype(k)::value;
-      using Tile = BothGradientsTile<T, K>;
+      using Tile = BothGradientsTile<T, K, FROM_ROWS>;
       if constexpr (!Tile::kCovered) {
         result = separately();
       } else if (Tile::kBlockBytes > max_shared_bytes_per_block()) {
@@ -236,8 +305,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
         const WorkSplit split = split_work<Tile>(p, ceil_div64(p.C, Tile::kSlab), kNhwcBlocks);
         at::Tensor partials = at::empty({p.C, split.chunks, Tile::kSums}, options.dtype(at::kFloat));
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-        launch_both<T, K>(grad_output, weight, pre, activation, grad_input, partials.mutable_data_ptr<float>(), split,
-                          p, stream);
+        const PreSource<T> source{values.const_data_ptr<T>(),
+                                  chunk_width<T>(FROM_ROWS ? kRowWidth : p.C, values.const_data_ptr()),
+                                  FROM_ROWS ? pointwise.const_data_ptr<T>() : nullptr,
+                                  FROM_ROWS ? static_cast<int>(pointwise.size(1)) : 0};
+        launch_both<T, K, FROM_ROWS>(grad_output, weight, source, activation, grad_input,
+                                     partials.mutable_data_ptr<float>(), split, p, stream);
         sum_partials<T>(partials.const_data_ptr<float>(), p.C, split.chunks, Tile::kSums,
                         {grad_weight.mutable_data_ptr<T>(), grad_bias.mutable_data_ptr<T>(), K * K, 1}, stream);
         result = {grad_input, grad_weight, grad_bias};
@@ -245,6 +318,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
     });
   });
   return result;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(const at::Tensor& grad_output,
+                                                                          const at::Tensor& weight,
+                                                                          const at::Tensor& pre,
+                                                                          const DepthwiseProblem& p,
+                                                                          Activation activation) {
+  return one_pass_or<false>(grad_output, weight, pre, at::Tensor(), p, activation, [&] {
+    return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,
+                                            grad_output, weight, pre, p, activation);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward_from_rows(
+    const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& rows, const at::Tensor& pointwise,
+    const DepthwiseProblem& p, Activation activation) {
+  const auto composed = [&] {
+    return activated_depthwise_backward(grad_output, weight, pre_from_rows(rows, pointwise, p), p, activation);
+  };
+  if (rows.size(1) != kRowWidth || pointwise.size(1) > kRowTerms) return composed();
+  return one_pass_or<true>(grad_output, weight, rows, pointwise, p, activation, composed);
 }
 
 }  // namespace cuda

@@ -83,6 +83,23 @@ struct TokenizeGradMask {
   bool images, parameters;
 };
 
+// A stage's pointwise backward over rows: the gradient of its depthwise
+// output, [N, Cin, h, w] dense in the stage's depthwise layout, and (when
+// asked for) its pointwise weight and bias gradients. Composed of two GEMMs
+// on every device (tokenize_backward.cpp); on CUDA, stages with few input
+// channels take one kernel (cuda/pointwise_backward_narrow.cu).
+struct PointwiseGrads {
+  at::Tensor grad_depthwise, weight, bias;
+};
+// grad: [M, Cout] rows of the pointwise output's gradient; rows: the stage's
+// depthwise rows; weight: [Cout, Cin, 1, 1]; p: the stage's depthwise problem.
+PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
+                                           const DepthwiseProblem& p, bool parameters);
+namespace cuda {
+PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
+                                  const DepthwiseProblem& p, bool parameters);
+}  // namespace cuda
+
 // One device's kernels, as the composed backward takes them.
 struct BackwardKernels {
   decltype(&cpu::activated_depthwise_forward_into) depthwise_forward_into;
@@ -90,14 +107,21 @@ struct BackwardKernels {
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
   decltype(&cpu::activated_depthwise_backward) depthwise_backward;  // both at once
   decltype(&cpu::activated_depthwise_backward_from_rows) depthwise_backward_from_rows;
+  decltype(&pointwise_backward_composed) pointwise_backward;
   decltype(&layer_norm_backward_aten) layer_norm_backward;
 };
 
 // ---- what the training forward saves -------------------------------------------
 // Each stage after the first's depthwise output d, as the backward's pointwise
 // GEMMs take it: rows [N * h * w, depthwise_row_width(Cin)] holding d's
-// channels, a one (the bias's column), then zeros. With them the backward
-// skips recomputing the depthwise convolutions of those stages.
+// channels, a one (the bias's column), then zeros to a multiple of
+// kRowAlignment. With them the backward skips recomputing the depthwise
+// convolutions of those stages. A stage of fewer than kRowAlignment input
+// channels (the images') has rows of exactly kRowAlignment.
+// The CUDA kernels that read such narrow rows (cuda/depthwise_backward_both.cu,
+// cuda/pointwise_backward_narrow.cu) take up to kNarrowRowTerms of their
+// columns: up to three channels (RGB images) and the ones column.
+constexpr int64_t kRowAlignment = 8, kNarrowRowTerms = 4;
 int64_t depthwise_row_width(int64_t in_channels);
 // The sizes of stage `stage`'s rows: [N * h * w, depthwise_row_width(Cin)].
 std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage);

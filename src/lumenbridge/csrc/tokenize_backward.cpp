@@ -70,14 +70,13 @@ Activation activation_before(size_t stage, const TokenizeProblem& p) {
 }
 
 // The pointwise GEMMs run over rows [M, Cin + 1] padded with zero columns to
-// a multiple of 8, with ones in column Cin: the GEMMs then carry the bias in
+// a multiple of kRowAlignment (8), with ones in column Cin: the GEMMs then carry the bias in
 // the forward (a weight column) and the bias gradient in the weight
 // gradient's GEMM, with no pass of their own over a stage's largest tensors
 // (cuBLAS's bias epilogue took 0.20 of the images' stage's 0.48 ms GEMM, and
 // the bias gradients' GEMMs 147 us a step; H200, B = 256, bf16), and cuBLAS
 // takes slow unaligned kernels for an inner dimension of 3 (the images').
-constexpr int64_t kGemmColumns = 8;
-int64_t padding_columns(int64_t columns) { return (kGemmColumns - columns % kGemmColumns) % kGemmColumns; }
+int64_t padding_columns(int64_t columns) { return (kRowAlignment - columns % kRowAlignment) % kRowAlignment; }
 
 // The pointwise weight and bias as [Cout, Cin + 1], the rows' first columns'
 // terms; and as the forward GEMM's [Cout, depthwise_row_width(Cin)].
@@ -89,13 +88,6 @@ at::Tensor pointwise_matrix(const TokenizeStage& s) {
   return at::constant_pad_nd(pointwise_terms(s), {0, depthwise_row_width(s.in_channels) - s.in_channels - 1});
 }
 
-// The pointwise weight as the input gradient's GEMM takes it: [Cout, Cin],
-// padded with zero columns to a multiple of 8 (its output's row width).
-at::Tensor input_gradient_weight(const TokenizeStage& s) {
-  const at::Tensor w = s.pw_weight.view({s.out_channels, s.in_channels});
-  const int64_t pad = padding_columns(s.in_channels);
-  return pad == 0 ? w : at::constant_pad_nd(w, {0, pad});
-}
 
 // Stage i's depthwise output, from its input before the activation `pre`, as
 // the pointwise GEMMs' rows: the depthwise kernel writes its channels straight
@@ -125,17 +117,6 @@ at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
   return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
 }
 
-// The pointwise weight gradient g_p^T d and, from the ones column, the bias
-// gradient sum_m g_p[m, :], in one GEMM (accumulating in float), so g_p is
-// read once.
-std::tuple<at::Tensor, at::Tensor> pointwise_parameter_grads(const at::Tensor& g_p, const at::Tensor& rows_of_d,
-                                                             const TokenizeStage& s) {
-  const int64_t cin = s.in_channels;
-  const at::Tensor product = at::mm(g_p.t(), rows_of_d);
-  at::Tensor weight = product.narrow(1, 0, cin).contiguous().view({s.out_channels, cin, 1, 1});
-  at::Tensor bias = product.select(1, cin).contiguous();
-  return {weight, bias};
-}
 
 // The stage norm's backward on [N, C, h, w]: the input gradient, and the
 // norm parameters' when asked for.
@@ -227,16 +208,16 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
   at::Tensor g_p = rows(norm.input);
   norm.input.reset();
   const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
-  const at::Tensor g_d =
-      dense(from_rows(at::mm(g_p, input_gradient_weight(s)).narrow(1, 0, s.in_channels), p.N, s.out_h, s.out_w),
-            dw.layout);
+  PointwiseGrads pointwise = kernels.pointwise_backward(g_p, depthwise, s.pw_weight, dw, mask.parameters);
   // Each tensor is released after its last use: the largest stage inputs and
   // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
-  if (mask.parameters) {
-    std::tie(grads.pw_weights[i], grads.pw_biases[i]) = pointwise_parameter_grads(g_p, depthwise, s);
-  }
   g_p.reset();
   depthwise.reset();
+  if (mask.parameters) {
+    grads.pw_weights[i] = std::move(pointwise.weight);
+    grads.pw_biases[i] = std::move(pointwise.bias);
+  }
+  const at::Tensor g_d = std::move(pointwise.grad_depthwise);
   const Activation activation = activation_before(i, p);
   const bool input_gradient = i > 0 || mask.images;
   if (mask.parameters && input_gradient) {
@@ -256,6 +237,24 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
 }
 
 }  // namespace
+
+// g_d = g_p W, the GEMM's weight [Cout, Cin] padded with zero columns to its
+// output's row width; the weight gradient g_p^T d and, from the ones column,
+// the bias gradient sum_m g_p[m, :] in one GEMM (accumulating in float), so
+// g_p is read once more.
+PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Tensor& rows_of_d,
+                                           const at::Tensor& weight, const DepthwiseProblem& p, bool parameters) {
+  const int64_t cin = p.C, cout = weight.size(0);
+  const at::Tensor w = at::constant_pad_nd(weight.view({cout, cin}), {0, padding_columns(cin)});
+  PointwiseGrads out;
+  out.grad_depthwise = dense(from_rows(at::mm(grad, w).narrow(1, 0, cin), p.N, p.Ho, p.Wo), p.layout);
+  if (parameters) {
+    const at::Tensor product = at::mm(grad.t(), rows_of_d);
+    out.weight = product.narrow(1, 0, cin).contiguous().view({cout, cin, 1, 1});
+    out.bias = product.select(1, cin).contiguous();
+  }
+  return out;
+}
 
 int64_t depthwise_row_width(int64_t in_channels) { return in_channels + 1 + padding_columns(in_channels + 1); }
 
@@ -330,7 +329,8 @@ namespace cpu {
 BackwardKernels backward_kernels() {
   return {&cpu::activated_depthwise_forward_into,      &cpu::activated_depthwise_backward_input,
           &cpu::activated_depthwise_backward_weight,   &cpu::activated_depthwise_backward,
-          &cpu::activated_depthwise_backward_from_rows, &layer_norm_backward_aten};
+          &cpu::activated_depthwise_backward_from_rows, &pointwise_backward_composed,
+          &layer_norm_backward_aten};
 }
 
 std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
@@ -348,7 +348,8 @@ namespace cuda {
 BackwardKernels backward_kernels() {
   return {&cuda::activated_depthwise_forward_into,      &cuda::activated_depthwise_backward_input,
           &cuda::activated_depthwise_backward_weight,   &cuda::activated_depthwise_backward,
-          &cuda::activated_depthwise_backward_from_rows, &cuda::layer_norm_backward};
+          &cuda::activated_depthwise_backward_from_rows, &cuda::pointwise_backward,
+          &cuda::layer_norm_backward};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

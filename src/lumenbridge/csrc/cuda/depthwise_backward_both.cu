@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../activated_depthwise.h"
+#include "../tokenize.h"
 #include "common.cuh"
 #include "nhwc_tiles.cuh"
 #include "partial_sums.cuh"
@@ -37,7 +38,7 @@ namespace {
 // pointwise GEMM's operand, kRowWidth wide) and its pointwise weight and bias
 // (`terms` <= kRowTerms columns). So a stage whose input comes from a narrow
 // stage (the images' 3 channels) never needs that input in device memory.
-constexpr int kRowWidth = 8, kRowTerms = 4;
+constexpr int kRowWidth = static_cast<int>(kRowAlignment), kRowTerms = static_cast<int>(kNarrowRowTerms);
 
 template <typename T, int K, bool FROM_ROWS>
 struct BothGradientsTile : NhwcLanes {

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, atomic, cli
-from lumenbridge.images import image_loader
+from lumenbridge.images import _quiet_when_main_is_gone, image_loader
 
 SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
@@ -278,24 +278,37 @@ def test_ctrl_c_during_a_run_prints_one_line_and_exits_130(tmp_path):
         progress += chunk
     err = interrupt(process)
     assert process.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "lumenbridge: interrupted"
+    assert err.strip().splitlines()[-1] == "lumenbridge: interrupted", err
     assert "Traceback" not in err
     assert not out.exists()
 
 
 class InterruptHandlerProbe(torch.utils.data.Dataset):
-    """One item: whether the process that loads it ignores SIGINT."""
+    """One item: whether the process that loads it ignores SIGINT, and
+    whether its uncaught exceptions go to the quiet hook."""
 
     def __len__(self) -> int:
         return 1
 
-    def __getitem__(self, index: int) -> bool:
-        return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    def __getitem__(self, index: int) -> tuple[bool, bool]:
+        return signal.getsignal(signal.SIGINT) == signal.SIG_IGN, sys.excepthook is _quiet_when_main_is_gone
 
 
 def test_loader_workers_leave_ctrl_c_to_the_main_process():
-    assert list(image_loader(InterruptHandlerProbe(), batch_size=None, num_workers=1)) == [True]
+    assert list(image_loader(InterruptHandlerProbe(), batch_size=None, num_workers=1)) == [[True, True]]
     assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    assert sys.excepthook is not _quiet_when_main_is_gone
+
+
+@pytest.mark.parametrize("error, printed", [(EOFError, False), (ConnectionResetError, False), (ValueError, True)])
+def test_worker_hook_is_quiet_only_about_the_lost_main_process(error, printed, capsys):
+    """A worker's thread that loses its connection to the interrupted main
+    process prints nothing; other failures still print their traceback."""
+    try:
+        raise error("lost")
+    except error:
+        _quiet_when_main_is_gone(*sys.exc_info())
+    assert ("Traceback" in capsys.readouterr().err) == printed
 
 
 def wait_until_importing_torch(pid: int, timeout: float = 60.0) -> None:

@@ -335,11 +335,22 @@ def image_loader(dataset: torch.utils.data.Dataset, **options) -> torch.utils.da
     the whole process group; the main process stops its workers when it is
     interrupted, and a worker that also took the signal could print a
     traceback of its own as it exited."""
-    return torch.utils.data.DataLoader(dataset, worker_init_fn=_ignore_interrupts, **options)
+    return torch.utils.data.DataLoader(dataset, worker_init_fn=_leave_interrupts_to_main, **options)
 
 
-def _ignore_interrupts(worker_id: int) -> None:
+def _leave_interrupts_to_main(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.excepthook = _quiet_when_main_is_gone
+
+
+def _quiet_when_main_is_gone(error_type, error, traceback) -> None:
+    """A worker's thread that was handing a batch's shared memory to the main
+    process when it stopped (multiprocessing's resource sharer, which reports
+    through sys.excepthook) fails with EOFError or a connection error:
+    expected once the main process has been interrupted, so not printed.
+    Anything else is, as by default."""
+    if not issubclass(error_type, (EOFError, ConnectionError)):
+        sys.__excepthook__(error_type, error, traceback)
 
 
 def read_batches(loader, paths: Sequence[str], failures: list, on_failure, progress: bool):

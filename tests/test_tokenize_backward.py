@@ -57,17 +57,28 @@ def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, r
     assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
 
 
-@pytest.mark.parametrize("channels", [1, 4, 7])
+@pytest.mark.parametrize("channels", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("device", device_params())
 def test_gradients_for_other_image_channel_counts(channels, device, native_ops, request):
-    """The second stage's depthwise backward takes its input as the first
-    stage's rows times its pointwise terms: on CUDA computed in the kernel
-    for up to three image channels (four terms), composed for more; within
-    the rule either way."""
+    """The images' stage's narrow rows, read by its pointwise backward and by
+    the second stage's depthwise backward (as that stage's input times the
+    pointwise terms): on CUDA one kernel each for up to three image channels
+    (four terms), the composed GEMMs for more; within the rule either way. A
+    first width of 16 (a multiple of 8, as the pointwise kernel needs) and
+    12 x 20 first-stage pixels an image (480 rows: the last 64-row tile part
+    empty)."""
     if device == "cuda":
         request.getfixturevalue("cuda_kernels")
-    config = dataclasses.replace(NARROW, in_chans=channels, mean=(0.45,) * channels, std=(0.25,) * channels)
-    images = torch.randint(0, 256, (2, channels, 16, 32), dtype=torch.uint8)
+    config = dataclasses.replace(
+        NARROW,
+        in_chans=channels,
+        mean=(0.45,) * channels,
+        std=(0.25,) * channels,
+        embed_dim=24,
+        stage_widths=(16, 24),
+        strides=(2, 2),
+    )
+    images = torch.randint(0, 256, (2, channels, 24, 40), dtype=torch.uint8)
     model = VisualTokenizer(config, seed=0)
     assert_within(compare_gradients_to_float64(model, images, op, torch.bfloat16, device))
 

@@ -3,15 +3,18 @@
 // lumenbridge::tokenize_for_training, which is its recompute, kept.
 //
 // The backward first recomputes the forward once, keeping each stage's
-// pointwise output p_i (before its norm) and, for the weight gradients, its
-// depthwise output d_i, as GEMM rows. tokenize_for_training returns the rows
-// of d_i for every stage after the first (SavedRows; written by the fused
-// kernels as they go on CUDA), which autograd keeps between forward and
-// backward: then the recompute is the GEMMs alone, except for the images'
-// stage. With tokenize's own autograd (nothing saved) it recomputes all.
-// Then, from the last stage down, it takes the stage's gradients:
+// pointwise output p_i (before its norm; not the images' stage's where the
+// next stage reads it from rows, backward_reads_rows) and, for the weight
+// gradients, its depthwise output d_i, as GEMM rows. tokenize_for_training
+// returns the rows of d_i for every stage after the first (SavedRows; written
+// by the fused kernels as they go on CUDA), which autograd keeps between
+// forward and backward: then the recompute is the GEMMs alone, except for the
+// images' stage. With tokenize's own autograd (nothing saved) it recomputes
+// all. Then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
-//   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows)
+//   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
+//                                                               CUDA one kernel for
+//                                                               the images' stage)
 //   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
 //               g_n = act'(n_{i-1}) g_x with g_x from g_d
 // where n_{i-1} = norm(p_{i-1}). Neither x_i nor g_x is stored: the
@@ -60,7 +63,8 @@ Layout depthwise_layout(const TokenizeStage& s) {
 // output, the presets' largest tensor (112 x 112 x 96), and the CUDA kernel
 // computes it as it loads the rows.
 bool backward_reads_rows(const TokenizeProblem& p, size_t i, bool rows_kept) {
-  return i > 0 && rows_kept && p.stage_norm == StageNorm::NONE && depthwise_layout(p.stages[i - 1]) == Layout::NCHW;
+  return i > 0 && rows_kept && p.stage_norm == StageNorm::NONE &&
+         depthwise_layout(p.stages[i - 1]) == Layout::NCHW;
 }
 
 // The activation a stage's depthwise kernels apply to their input: the one
@@ -87,7 +91,6 @@ at::Tensor pointwise_terms(const TokenizeStage& s) {
 at::Tensor pointwise_matrix(const TokenizeStage& s) {
   return at::constant_pad_nd(pointwise_terms(s), {0, depthwise_row_width(s.in_channels) - s.in_channels - 1});
 }
-
 
 // Stage i's depthwise output, from its input before the activation `pre`, as
 // the pointwise GEMMs' rows: the depthwise kernel writes its channels straight
@@ -116,7 +119,6 @@ at::Tensor pointwise(const at::Tensor& rows_of_d, const TokenizeStage& s, const 
 at::Tensor row_sum(const at::Tensor& r, at::ScalarType dtype) {
   return r.sum(0, false, at::toOpMathType(r.scalar_type())).to(dtype);
 }
-
 
 // The stage norm's backward on [N, C, h, w]: the input gradient, and the
 // norm parameters' when asked for.

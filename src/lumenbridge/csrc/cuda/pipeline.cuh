@@ -1,6 +1,7 @@
 // Persistent, multi-buffered tile pipelines for the forward kernels, the
-// NHWC stride-2 input gradient, the NHWC weight gradient and the kernel that
-// computes both gradients at stride 2.
+// NHWC stride-2 input gradient, the NHWC weight gradient, the kernel that
+// computes both gradients at stride 2 and the images' stage's pointwise
+// backward.
 //
 // A block stays resident and walks its share of the tiles. While it computes
 // tile i from one shared-memory buffer, asynchronous copies fill the others

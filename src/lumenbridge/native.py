@@ -387,9 +387,17 @@ def tokenize_path(device_type: str, cfg, dtype: torch.dtype) -> str:
 
 
 def tokenize_backward_path(device_type: str) -> str:
-    """How tokenize_backward runs on a device (the same composition on every device, for now)."""
-    return (
-        "lumenbridge::tokenize_backward, composed from the per-layer kernels and ATen; "
+    """How tokenize_backward runs on a device: one composition everywhere, with
+    CUDA's one-pass kernels where they apply."""
+    common = (
+        "lumenbridge::tokenize_backward, composed from the per-layer kernels, GEMMs and ATen; "
         "it recomputes the forward from the saved inputs and the depthwise rows that "
         "lumenbridge::tokenize_for_training saves"
+    )
+    if device_type != "cuda":
+        return common
+    return common + (
+        "; at stride 2 one kernel takes each later stage's depthwise gradients in one pass "
+        "(the second stage's input computed from the images' stage's rows), and one kernel "
+        "the images' stage's pointwise gradients"
     )

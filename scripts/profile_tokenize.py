@@ -2,10 +2,15 @@
 channels-last: of one forward, for uint8 and float input (where the fused op
 spends its time), or with --train of one training step (forward and backward
 to every parameter, float input, as bench_fused.py times it: where the
-backward spends its time).
+backward spends its time). --train first times the step on its own (the
+"timing loop" of benchmarks/NOTES.md: best and median of 5 runs of 20 steps,
+CUDA events, and the peak memory), then lists one step's kernels in launch
+order. A development tool: the same-run comparison with PyTorch is
+bench_fused.py's.
 Usage: python scripts/profile_tokenize.py [--batch B] [--train] [--no-profiler]"""
 
 import argparse
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,6 +42,39 @@ def run(call, warmups: int, calls: int, profiled: bool):
     return prof
 
 
+def time_steps(step, batch: int, runs: int = 5, steps: int = 20) -> None:
+    """The timing loop: `runs` runs of `steps` steps timed with CUDA events
+    (best and median a step), the peak memory over them, and one step's
+    kernels in launch order with their GPU times."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    print(f"== one training step's kernels, in launch order (us), B={batch}")
+    for e in kernels:
+        print(f"{e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
+    gpu = sum(e.time_range.elapsed_us() for e in kernels) / 1000
+    print(
+        f"step: best {min(times):.3f} ms, median {statistics.median(times):.3f} ms "
+        f"({runs} runs of {steps}); GPU time {gpu:.3f} ms; peak {peak:.0f} MB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
@@ -57,6 +95,7 @@ def main() -> None:
         if prof is not None:
             print(f"== training step, float input, B={args.batch}, 5 steps")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+            time_steps(step, args.batch)
         return
     model.eval()
     for kind in ("uint8", "float"):

@@ -192,10 +192,9 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "LumenBridge: too many pixels for one launch (",
               text(M), ")");
   // A fixed run of tiles a block, aiming at one wave of two blocks an SM on
-  // the H200 (as the depthwise weight gradients, weight_partials.cuh).
-  const int tiles_per_block =
-      static_cast<int>(std::max<int64_t>(kMinTilesPerBlock, std::min<int64_t>(tiles, ceil_div64(tiles, kNhwcBlocks))));
-  const int64_t chunks = ceil_div64(tiles, tiles_per_block);
+  // the H200, as the NHWC depthwise weight gradients.
+  const int run = tiles_per_block(tiles, 1, kNhwcBlocks);
+  const int64_t chunks = ceil_div64(tiles, run);
   PointwiseGrads out;
   LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow", [&] {
     using T = scalar_t;
@@ -215,7 +214,7 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
     kernel<<<grid_x(chunks), kThreads, shared, stream>>>(
         grad.const_data_ptr<T>(), rows.const_data_ptr<T>(), weight.const_data_ptr<T>(),
         out.grad_depthwise.mutable_data_ptr<T>(), partials.mutable_data_ptr<float>(), M, static_cast<int>(C),
-        static_cast<int>(cin), p.Ho * p.Wo, tile_space<1>({tiles}, 1), static_cast<int>(tiles), tiles_per_block,
+        static_cast<int>(cin), p.Ho * p.Wo, tile_space<1>({tiles}, 1), static_cast<int>(tiles), run,
         static_cast<int>(chunks));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     sum_partials<T>(partials.const_data_ptr<float>(), C, chunks, static_cast<int>(cin + 1),

@@ -20,6 +20,14 @@ namespace cuda {
 //     of 264 to 4224 blocks on every benchmark shape (benchmarks/NOTES.md).
 constexpr int64_t kMinTilesPerBlock = 8, kNchwBlocksPerChannel = 1024, kNhwcBlocks = 264;
 
+// Tiles a block takes when `groups` channels or slabs of `items` tiles each
+// share `target_blocks` blocks: at least kMinTilesPerBlock, at most all of a
+// group's tiles (so it fits an int when items does).
+inline int tiles_per_block(int64_t items, int64_t groups, int64_t target_blocks) {
+  return static_cast<int>(
+      std::max(kMinTilesPerBlock, std::min(items, ceil_div64(items * groups, target_blocks))));
+}
+
 // How pass 1 splits one channel's (or slab's) work: `items` tiles over the
 // batch, in `chunks` runs of `tiles_per_block`. A function of the shape alone.
 struct WorkSplit {
@@ -37,9 +45,7 @@ WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_b
   TORCH_CHECK(split.items <= std::numeric_limits<int32_t>::max(),
               "LumenBridge: batch too large for one weight-gradient launch (", text(split.items),
               " tiles)");
-  // At most all of a group's tiles (so it fits an int, as items does).
-  split.tiles_per_block = static_cast<int>(std::max(
-      kMinTilesPerBlock, std::min(split.items, ceil_div64(split.items * groups, target_blocks))));
+  split.tiles_per_block = tiles_per_block(split.items, groups, target_blocks);
   split.chunks = ceil_div64(split.items, split.tiles_per_block);
   return split;
 }

@@ -120,6 +120,24 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared
                : "r"(address));
 }
 
+// The same four 8 x 8 matrices, each transposed: lane 4g + t receives
+// elements (2t, g) and (2t + 1, g) of each, where ldmatrix_x4 gives (g, 2t)
+// and (g, 2t + 1): an mma operand read from a tile stored the other way.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* shared) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Two transposed 8 x 8 matrices (lanes 0-15 give the row addresses).
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* shared) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(address));
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {

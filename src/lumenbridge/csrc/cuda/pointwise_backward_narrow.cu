@@ -8,17 +8,25 @@
 // for these (two GEMMs whose other dimension is 3 or 4, so both are bound by
 // g's bytes), and g_d's narrow rows still need a copy to NCHW.
 //
-// A tile is kTileRows consecutive rows: g's rows and d's, one flat copy each.
-// Each thread then takes, for the weight sums, a fixed 8-channel chunk of g's
-// rows and a fixed set of rows (its sums stay in registers across tiles), and
-// for g_d, chunks of one row (its three dot products reduced over the four
-// threads of the row by shuffles). The sums are deterministic: each block
-// takes a fixed run of tiles and adds its threads in a fixed order, and pass
-// 2 sums the blocks in a fixed order (partial_sums.cuh).
+// Both products run on the tensor cores (m16n8k16, float accumulators), so a
+// tile costs a few dozen instructions a warp and the kernel waits on g's
+// bytes alone (CUDA-core FMAs measured 342 us at B = 256, about 1.3 issues a
+// cycle: benchmarks/NOTES.md, step 35). A tile is kTileRows consecutive rows
+// of g (rows padded in shared memory, so ldmatrix's eight rows fall in
+// distinct banks) and of d.
+//   weight sums  G^T D: warp w owns channel blocks w, w + 8 (16 channels
+//                each) for the whole run of tiles, A = G^T by transposed
+//                ldmatrix, B = d's rows by transposed ldmatrix;
+//   g_d          G W: warps 0-3 take one 16-row block each, A = G by ldmatrix,
+//                B = W (zero past Cin) held in registers.
+// The sums are deterministic: each block takes a fixed run of tiles, each
+// warp adds its own channels' mma in a fixed order, and pass 2 sums the
+// blocks in a fixed order (partial_sums.cuh).
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../tokenize.h"
 #include "common.cuh"
+#include "fused_parts.cuh"
 #include "partial_sums.cuh"
 #include "pipeline.cuh"
 #include "weight_partials.cuh"
@@ -27,44 +35,29 @@ namespace lumenbridge {
 namespace cuda {
 namespace {
 
+using fused::GridCursor;
+using fused::padded_stride;
+
 constexpr int kRowWidth = static_cast<int>(kRowAlignment);  // the depthwise rows' width
 constexpr int kTerms = static_cast<int>(kNarrowRowTerms);     // Cin weights, then the bias
 constexpr int kMaxInChannels = kTerms - 1;
-constexpr int kChunk = 8;       // channels a thread takes at once
-constexpr int kMaxChunks = 32;  // C <= 256: at least 8 row groups for the weight sums
 constexpr int kTileRows = 64;
-constexpr int kRowThreads = 4;  // threads that share one row's g_d
-constexpr int kStages = 3;      // tiles in flight, with the one computed
-using WeightColumns = float[kMaxInChannels][kMaxChunks * kChunk];  // W^T in shared memory, zero past Cin
-static_assert(kTileRows * kRowThreads == kThreads, "one g_d row per four threads");
+constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
+constexpr int kRowBlocks = kTileRows / kBlockRows;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxChannelBlocks = 16;  // C <= 256
+constexpr int kChannelBlocksPerWarp = kMaxChannelBlocks / kWarps;
+constexpr int kStages = 3;  // tile buffers: two tiles in flight while one is computed
+static_assert(kRowBlocks <= kWarps, "a warp per g_d row block");
 
-template <typename T>
-struct NarrowTile {
-  static constexpr int kUnit = 16 / sizeof(T);  // elements per 16-byte copy
-  static constexpr int kDElems = kTileRows * kRowWidth;
-};
+// A tile's elements: g's rows (padded), then d's.
+__host__ __device__ int narrow_tile_elems(int C) { return kTileRows * padded_stride(C) + kTileRows * kRowWidth; }
 
-// A tile's elements: g's rows, then d's.
+// Two elements as an mma operand word, the first in the low half.
 template <typename T>
-__host__ __device__ int narrow_tile_elems(int C) {
-  return kTileRows * C + NarrowTile<T>::kDElems;
-}
-
-// Copies `elems` elements from `src` (of which `valid` exist) to `dst` in
-// 16-byte units, zero-filling past `valid`.
-template <typename T>
-__device__ __forceinline__ void copy_flat(T* dst, const T* src, int64_t elems, int64_t valid, int tid) {
-  constexpr int kUnit = NarrowTile<T>::kUnit;
-  for (int64_t e = static_cast<int64_t>(tid) * kUnit; e < elems; e += static_cast<int64_t>(kThreads) * kUnit) {
-    copy_chunk_async<T, kUnit>(dst + e, src + (e < valid ? e : 0), e < valid);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void unpack_chunk(const T* p, float (&v)[kChunk]) {
-  const Vec<T, kChunk> chunk = load_vec<T, kChunk>(p);
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) v[e] = static_cast<float>(chunk.v[e]);
+__device__ __forceinline__ uint32_t pack2(T low, T high) {
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&low)) |
+         static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&high)) << 16;
 }
 
 template <typename T>
@@ -74,108 +67,113 @@ __global__ void __launch_bounds__(kThreads, 2)
                                      float* __restrict__ partials, int64_t M, int C, int cin, int64_t plane,
                                      TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  __shared__ __align__(32) WeightColumns w;
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
-  const int tid = threadIdx.x;
-  const int chunks_per_row = C / kChunk;
-  const int elems = narrow_tile_elems<T>(C);
-  for (int k = tid; k < kMaxInChannels * C; k += kThreads) {
-    const int j = k / C, c = k % C;
-    w[j][c] = j < cin ? static_cast<float>(weight[c * cin + j]) : 0.0f;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // an mma fragment's row group and column pair
+  const int stride = padded_stride(C), channel_blocks = C / 16;
+  const T zero = static_cast<T>(0.0f);
+
+  // g_d's B operand, per 16-channel step: W[c][j] at k = c, n = j.
+  uint32_t w[kMaxChannelBlocks][2] = {};
+  if (warp < kRowBlocks) {
+    const auto w_at = [&](int c, int j) { return j < cin ? weight[c * cin + j] : zero; };
+#pragma unroll
+    for (int kb = 0; kb < kMaxChannelBlocks; ++kb) {
+      if (kb < channel_blocks) {
+        const int c = kb * 16 + 2 * t;
+        w[kb][0] = pack2<T>(w_at(c, g), w_at(c + 1, g));
+        w[kb][1] = pack2<T>(w_at(c + 8, g), w_at(c + 9, g));
+      }
+    }
   }
 
-  auto load = [&](T* tile, const TileCursor<1>& t) {
-    const int64_t m0 = static_cast<int64_t>(t.digit[0]) * kTileRows;
-    const int64_t valid = M - m0;
-    copy_flat<T>(tile, grad + m0 * C, static_cast<int64_t>(kTileRows) * C, valid * C, tid);
-    copy_flat<T>(tile + kTileRows * C, rows + m0 * kRowWidth, NarrowTile<T>::kDElems, valid * kRowWidth, tid);
+  const GridCursor first_unit(C / 8, tid, kThreads);  // 16-byte units of g's rows
+  auto load = [&](T* tile, const TileCursor<1>& cursor) {
+    const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
+    for (GridCursor unit = first_unit; unit.row < kTileRows; unit.advance()) {
+      const bool inside = m0 + unit.row < M;
+      copy_chunk_async<T, 8>(tile + unit.row * stride + unit.column * 8,
+                             grad + (inside ? (m0 + unit.row) * C + unit.column * 8 : 0), inside);
+    }
+    if (tid < kTileRows) {
+      const bool inside = m0 + tid < M;
+      copy_chunk_async<T, 8>(tile + kTileRows * stride + tid * kRowWidth,
+                             rows + (inside ? (m0 + tid) * kRowWidth : 0), inside);
+    }
   };
 
-  // Weight sums: thread (row group, chunk), over rows group, + groups, ...
-  const int groups = kThreads / chunks_per_row;
-  const int my_chunk = tid % chunks_per_row, my_group = tid / chunks_per_row;
-  const bool sums_thread = my_group < groups;
-  float sums[kChunk][kTerms] = {};
-  // g_d: thread (row, part), over the row's chunks part, + kRowThreads, ...
-  const int gd_row = tid / kRowThreads, gd_part = tid % kRowThreads;
-
-  auto compute = [&](const T* tile, const TileCursor<1>& t) {
-    const T* d = tile + kTileRows * C;
-    if (sums_thread) {
-      for (int r = my_group; r < kTileRows; r += groups) {
-        float g[kChunk];
-        unpack_chunk<T>(tile + r * C + my_chunk * kChunk, g);
-        const Vec<T, kTerms> terms = load_vec<T, kTerms>(d + r * kRowWidth);
+  float sums[kChannelBlocksPerWarp][4] = {};
+  auto compute = [&](const T* tile, const TileCursor<1>& cursor) {
+    const T* d = tile + kTileRows * stride;
+    const int matrix = lane / 8, matrix_row = lane % 8;
+    // Weight sums: A = G^T (16 channels x 16 rows): matrices (rows 0-7, channels
+    // 0-7), (rows 0-7, channels 8-15), (rows 8-15, 0-7), (rows 8-15, 8-15).
 #pragma unroll
-        for (int j = 0; j < kTerms; ++j) {
-          const float dj = static_cast<float>(terms.v[j]);
+    for (int s = 0; s < kChannelBlocksPerWarp; ++s) {
+      const int cb = warp + s * kWarps;
+      if (cb >= channel_blocks) continue;
 #pragma unroll
-          for (int e = 0; e < kChunk; ++e) sums[e][j] = fmaf(g[e], dj, sums[e][j]);
+      for (int rb = 0; rb < kRowBlocks; ++rb) {
+        uint32_t a[4], b[2];
+        const int row = rb * kBlockRows + (matrix / 2) * 8 + matrix_row;
+        fused::ldmatrix_x4_trans(a, tile + row * stride + cb * 16 + (matrix % 2) * 8);
+        fused::ldmatrix_x2_trans(b, d + (rb * kBlockRows + lane % 16) * kRowWidth);
+        fused::mma_16816<T>(sums[s], a, b[0], b[1]);
+      }
+    }
+    // g_d: A = G (16 rows x 16 channels): matrices (rows 0-7, channels 0-7),
+    // (rows 8-15, 0-7), (rows 0-7, 8-15), (rows 8-15, 8-15).
+    if (warp < kRowBlocks) {
+      float gd[4] = {};
+      const int row = warp * kBlockRows + (matrix % 2) * 8 + matrix_row;
+#pragma unroll
+      for (int kb = 0; kb < kMaxChannelBlocks; ++kb) {
+        if (kb >= channel_blocks) break;
+        uint32_t a[4];
+        fused::ldmatrix_x4(a, tile + row * stride + kb * 16 + (matrix / 2) * 8);
+        fused::mma_16816<T>(gd, a, w[kb][0], w[kb][1]);
+      }
+      // gd[0], gd[1]: row g, j = 2t, 2t + 1; gd[2], gd[3]: row g + 8.
+      const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows + warp * kBlockRows + g;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t m = m0 + half * 8;
+        if (m >= M) continue;
+        const int64_t image = m / plane, pixel = m % plane;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 2 * t + e;
+          if (j < cin) grad_depthwise[(image * cin + j) * plane + pixel] = static_cast<T>(gd[2 * half + e]);
         }
       }
-    }
-    float gd[kMaxInChannels] = {};
-    for (int q = gd_part; q < chunks_per_row; q += kRowThreads) {
-      float g[kChunk];
-      unpack_chunk<T>(tile + gd_row * C + q * kChunk, g);
-#pragma unroll
-      for (int j = 0; j < kMaxInChannels; ++j) {
-        const Vec<float, kChunk> wj = load_vec<float, kChunk>(&w[j][q * kChunk]);
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) gd[j] = fmaf(g[e], wj.v[e], gd[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kMaxInChannels; ++j) {
-      gd[j] += __shfl_xor_sync(0xffffffffu, gd[j], 1);
-      gd[j] += __shfl_xor_sync(0xffffffffu, gd[j], 2);
-    }
-    const int64_t m = static_cast<int64_t>(t.digit[0]) * kTileRows + gd_row;
-    if (gd_part < cin && m < M) {
-      const int64_t image = m / plane, pixel = m % plane;
-      const float value = gd_part == 0 ? gd[0] : gd_part == 1 ? gd[1] : gd[2];
-      grad_depthwise[(image * cin + gd_part) * plane + pixel] = static_cast<T>(value);
     }
   };
 
   const int first = static_cast<int>(blockIdx.x) * tiles_per_block;
-  run_tile_pipeline<kStages>(space, first, min(tiles_per_block, tiles - first), buffers, elems, load, NoStep{},
-                             NoStep{}, compute);
+  run_tile_pipeline<kStages>(space, first, min(tiles_per_block, tiles - first), buffers, narrow_tile_elems(C), load,
+                             NoStep{}, NoStep{}, compute);
   cp_async_wait_pending<0>();
-  __syncthreads();
-  // The block's partials: each (channel, term) summed over the row groups in order.
-  float* block_sums = reinterpret_cast<float*>(shared_bytes);  // [groups][C][kTerms]
-  if (sums_thread) {
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-#pragma unroll
-      for (int j = 0; j < kTerms; ++j) block_sums[(my_group * C + my_chunk * kChunk + e) * kTerms + j] = sums[e][j];
-    }
-  }
-  __syncthreads();
+  // sums[s][0], [1]: channel 16 cb + g, terms 2t, 2t + 1; [2], [3]: channel + 8.
   const int terms = cin + 1;
-  for (int k = tid; k < C * terms; k += kThreads) {
-    const int c = k / terms, j = k % terms;
-    float total = 0.0f;
-    for (int group = 0; group < groups; ++group) total += block_sums[(group * C + c) * kTerms + j];
-    partials[(static_cast<int64_t>(c) * chunks + blockIdx.x) * terms + j] = total;
+#pragma unroll
+  for (int s = 0; s < kChannelBlocksPerWarp; ++s) {
+    const int cb = warp + s * kWarps;
+    if (cb >= channel_blocks) continue;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = cb * 16 + g + (i / 2) * 8, j = 2 * t + i % 2;
+      if (j < terms) partials[(static_cast<int64_t>(c) * chunks + blockIdx.x) * terms + j] = sums[s][i];
+    }
   }
 }
 
 // Whether the kernel covers the problem: the tensors as it reads them.
 bool narrow_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight, int64_t cin) {
   const int64_t C = grad.size(1);
-  return cin <= kMaxInChannels && rows.size(1) == kRowWidth && C % kChunk == 0 && C / kChunk <= kMaxChunks &&
-         grad.is_contiguous() && rows.is_contiguous() && weight.is_contiguous() &&
+  const bool half = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
+  return half && cin <= kMaxInChannels && rows.size(1) == kRowWidth && C % 16 == 0 &&
+         C / 16 <= kMaxChannelBlocks && grad.is_contiguous() && rows.is_contiguous() && weight.is_contiguous() &&
          aligned16(grad.const_data_ptr()) && aligned16(rows.const_data_ptr()) && grad.size(0) > 0;
-}
-
-// Shared bytes: the pipeline's buffers, or the block's sums after it.
-template <typename T>
-size_t narrow_shared_bytes(int C) {
-  const size_t pipeline = kStages * narrow_tile_elems<T>(C) * sizeof(T);
-  const size_t sums = sizeof(float) * (kThreads / (C / kChunk)) * C * kTerms;
-  return std::max(pipeline, sums);
 }
 
 }  // namespace
@@ -196,11 +194,11 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
   const int run = tiles_per_block(tiles, 1, kNhwcBlocks);
   const int64_t chunks = ceil_div64(tiles, run);
   PointwiseGrads out;
-  LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow", [&] {
-    using T = scalar_t;
+  const auto launch = [&](auto element) {
+    using T = decltype(element);
     constexpr auto kernel = pointwise_backward_narrow_kernel<T>;
-    const size_t shared = narrow_shared_bytes<T>(static_cast<int>(C));
-    if (shared + sizeof(WeightColumns) > max_shared_bytes_per_block()) {
+    const size_t shared = kStages * narrow_tile_elems(static_cast<int>(C)) * sizeof(T);
+    if (shared > max_shared_bytes_per_block()) {
       out = pointwise_backward_composed(grad, rows, weight, p, parameters);
       return;
     }
@@ -220,7 +218,10 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
     sum_partials<T>(partials.const_data_ptr<float>(), C, chunks, static_cast<int>(cin + 1),
                     {out.weight.mutable_data_ptr<T>(), out.bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
                     stream);
-  });
+  };
+  AT_DISPATCH_SWITCH(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow",
+                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(scalar_t{}); })
+                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(scalar_t{}); }));
   return out;
 }
 

@@ -398,6 +398,7 @@ def tokenize_backward_path(device_type: str) -> str:
         return common
     return common + (
         "; at stride 2 one kernel takes each later stage's depthwise gradients in one pass "
-        "(the second stage's input computed from the images' stage's rows), and one kernel "
-        "the images' stage's pointwise gradients"
+        "(the second stage's input computed from the images' stage's rows), one kernel "
+        "the images' stage's pointwise gradients, and one pass over the images as given "
+        "each its depthwise rows and its depthwise weight gradients"
     )

@@ -100,6 +100,32 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
                                   const DepthwiseProblem& p, bool parameters);
 }  // namespace cuda
 
+// The images' stage's depthwise convolution as the backward needs it, from
+// the images as the op takes them: its output as rows
+// (depthwise_rows_sizes(p, 0)), and its weight and bias gradients from the
+// gradient of that output (dense in the stage's depthwise layout). Composed,
+// from the normalized, padded images and the device's depthwise kernels
+// (tokenize_backward.cpp); on CUDA, one pass over the images each where the
+// rows are narrow (cuda/images_stage.cu).
+struct BackwardKernels;
+at::Tensor images_depthwise_rows_composed(const at::Tensor& images, const TokenizeProblem& p,
+                                          const BackwardKernels& kernels);
+std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight_composed(const at::Tensor& grad_depthwise,
+                                                                             const at::Tensor& images,
+                                                                             const TokenizeProblem& p,
+                                                                             const BackwardKernels& kernels);
+#define LUMENBRIDGE_IMAGES_STAGE_ENTRIES                                                                   \
+  at::Tensor images_depthwise_rows(const at::Tensor& images, const TokenizeProblem& p);                    \
+  std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(                                     \
+      const at::Tensor& grad_depthwise, const at::Tensor& images, const TokenizeProblem& p);
+namespace cpu {
+LUMENBRIDGE_IMAGES_STAGE_ENTRIES
+}  // namespace cpu
+namespace cuda {
+LUMENBRIDGE_IMAGES_STAGE_ENTRIES
+}  // namespace cuda
+#undef LUMENBRIDGE_IMAGES_STAGE_ENTRIES
+
 // One device's kernels, as the composed backward takes them.
 struct BackwardKernels {
   decltype(&cpu::activated_depthwise_forward_into) depthwise_forward_into;
@@ -109,6 +135,8 @@ struct BackwardKernels {
   decltype(&cpu::activated_depthwise_backward_from_rows) depthwise_backward_from_rows;
   decltype(&pointwise_backward_composed) pointwise_backward;
   decltype(&layer_norm_backward_aten) layer_norm_backward;
+  decltype(&cpu::images_depthwise_rows) images_depthwise_rows;
+  decltype(&cpu::images_depthwise_backward_weight) images_depthwise_backward_weight;
 };
 
 // ---- what the training forward saves -------------------------------------------

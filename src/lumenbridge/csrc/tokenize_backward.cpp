@@ -110,6 +110,12 @@ at::Tensor depthwise_rows(const at::Tensor& pre, const TokenizeProblem& p, size_
   return r;
 }
 
+// The images normalized and zero padded, dense in the images' stage's
+// depthwise layout: that stage's input in the composed backward.
+at::Tensor images_stage_input(const at::Tensor& images, const TokenizeProblem& p) {
+  return dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
+}
+
 // The pointwise convolution as one GEMM over rows: [M, Cin] -> [M, Cout].
 at::Tensor pointwise(const at::Tensor& rows_of_d, const TokenizeStage& s, const TokenizeProblem& p) {
   return from_rows(at::mm(rows_of_d, pointwise_matrix(s).t()), p.N, s.out_h, s.out_w);
@@ -164,14 +170,16 @@ struct Recomputed {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> depthwise;
 };
-Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, const BackwardKernels& kernels,
+Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p, const BackwardKernels& kernels,
                              bool keep_depthwise, bool keep_outputs, const SavedRows& saved) {
   Recomputed r;
-  at::Tensor pre = x0;
+  at::Tensor pre;  // the previous stage's normed output
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const bool last = i + 1 == p.stages.size();
-    at::Tensor rows_of_d = i > 0 && !saved.empty() ? saved[i - 1] : depthwise_rows(pre, p, i, kernels);
+    at::Tensor rows_of_d = i == 0            ? kernels.images_depthwise_rows(images, p)
+                           : !saved.empty() ? saved[i - 1]
+                                            : depthwise_rows(pre, p, i, kernels);
     const bool kept = last || (keep_outputs && !backward_reads_rows(p, i + 1, keep_depthwise));
     const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
     at::Tensor output = kept || feeds_next ? pointwise(rows_of_d, s, p) : at::Tensor();
@@ -182,13 +190,12 @@ Recomputed recompute_forward(const at::Tensor& x0, const TokenizeProblem& p, con
   return r;
 }
 
-// A stage's input before the activation (n_{i-1}; the images for the first
-// stage), as its depthwise backward takes it: `pre`, dense in the stage's
-// depthwise layout (undefined for the first stage when no weight gradient is
-// asked for), or where backward_reads_rows the previous stage's depthwise
-// `rows` and `pointwise` terms.
+// A stage's input before the activation, as its depthwise backward takes it:
+// for a later stage n_{i-1} as `pre`, dense in the stage's depthwise layout,
+// or where backward_reads_rows as the previous stage's depthwise `rows` and
+// `pointwise` terms; for the first, the `images` as the op takes them.
 struct StageInput {
-  at::Tensor pre, rows, pointwise;
+  at::Tensor pre, rows, pointwise, images;
 };
 
 // One stage's backward. `grad` is the gradient of the stage's normed output,
@@ -220,22 +227,22 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
     grads.pw_biases[i] = std::move(pointwise.bias);
   }
   const at::Tensor g_d = std::move(pointwise.grad_depthwise);
-  const Activation activation = activation_before(i, p);
-  const bool input_gradient = i > 0 || mask.images;
-  if (mask.parameters && input_gradient) {
-    at::Tensor grad_pre;
-    std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
-        input.rows.defined() ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise,
-                                                                    dw, activation)
-                             : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, activation);
-    return grad_pre;
+  if (i == 0) {
+    // No activation before the images' stage: its input gradient needs no input.
+    if (mask.parameters) {
+      std::tie(grads.dw_weights[0], grads.dw_biases[0]) =
+          kernels.images_depthwise_backward_weight(g_d, input.images, p);
+    }
+    if (!mask.images) return at::Tensor();
+    return kernels.depthwise_backward_input(g_d, s.dw_weight, at::Tensor(), dw, Activation::NONE);
   }
-  if (mask.parameters) {
-    std::tie(grads.dw_weights[i], grads.dw_biases[i]) =
-        kernels.depthwise_backward_weight(g_d, input.pre, dw, activation);
-  }
-  if (!input_gradient) return at::Tensor();
-  return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, activation);
+  if (!mask.parameters) return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, p.activation);
+  at::Tensor grad_pre;
+  std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
+      input.rows.defined()
+          ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise, dw, p.activation)
+          : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, p.activation);
+  return grad_pre;
 }
 
 }  // namespace
@@ -258,6 +265,20 @@ PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Ten
   return out;
 }
 
+at::Tensor images_depthwise_rows_composed(const at::Tensor& images, const TokenizeProblem& p,
+                                          const BackwardKernels& kernels) {
+  return depthwise_rows(images_stage_input(images, p), p, 0, kernels);
+}
+
+std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight_composed(const at::Tensor& grad_depthwise,
+                                                                             const at::Tensor& images,
+                                                                             const TokenizeProblem& p,
+                                                                             const BackwardKernels& kernels) {
+  return kernels.depthwise_backward_weight(grad_depthwise, images_stage_input(images, p),
+                                           stage_depthwise_problem(p, 0, depthwise_layout(p.stages[0])),
+                                           Activation::NONE);
+}
+
 int64_t depthwise_row_width(int64_t in_channels) { return in_channels + 1 + padding_columns(in_channels + 1); }
 
 std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage) {
@@ -268,8 +289,7 @@ std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage
 std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
                                                                  const TokenizeProblem& p,
                                                                  const BackwardKernels& kernels) {
-  const at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  Recomputed forward = recompute_forward(x0, p, kernels, true, false, {});
+  Recomputed forward = recompute_forward(images, p, kernels, true, false, {});
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
   return {tokens, SavedRows(forward.depthwise.begin() + 1, forward.depthwise.end())};
 }
@@ -278,8 +298,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
                                          const TokenizeProblem& p, TokenizeGradMask mask,
                                          const BackwardKernels& kernels, const SavedRows& saved) {
   const size_t S = p.stages.size();
-  at::Tensor x0 = dense(normalized_images(images, p), depthwise_layout(p.stages[0]));
-  Recomputed forward = recompute_forward(x0, p, kernels, mask.parameters, true, saved);
+  Recomputed forward = recompute_forward(images, p, kernels, mask.parameters, true, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;
   TokenizeGrads grads;
   if (mask.parameters) {
@@ -304,16 +323,15 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
   }
   for (size_t i = S; i-- > 0;) {
     // The stage input before its activation: the previous stage's normed
-    // output (or its rows, which that stage still needs), or the images
-    // (needed for the weight gradient only).
+    // output (or its rows, which that stage still needs), or the images.
     StageInput input;
-    if (backward_reads_rows(p, i, mask.parameters)) {
+    if (i == 0) {
+      input.images = images;
+    } else if (backward_reads_rows(p, i, mask.parameters)) {
       input.rows = forward.depthwise[i - 1];
       input.pointwise = pointwise_terms(p.stages[i - 1]);
-    } else if (i > 0) {
+    } else {
       input.pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
-    } else if (mask.parameters) {
-      input.pre = std::move(x0);
     }
     at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(forward.depthwise[i]),
                                     std::move(input), i, p, mask, kernels, grads);
@@ -332,7 +350,18 @@ BackwardKernels backward_kernels() {
   return {&cpu::activated_depthwise_forward_into,      &cpu::activated_depthwise_backward_input,
           &cpu::activated_depthwise_backward_weight,   &cpu::activated_depthwise_backward,
           &cpu::activated_depthwise_backward_from_rows, &pointwise_backward_composed,
-          &layer_norm_backward_aten};
+          &layer_norm_backward_aten,                    &cpu::images_depthwise_rows,
+          &cpu::images_depthwise_backward_weight};
+}
+
+at::Tensor images_depthwise_rows(const at::Tensor& images, const TokenizeProblem& p) {
+  return images_depthwise_rows_composed(images, p, backward_kernels());
+}
+
+std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(const at::Tensor& grad_depthwise,
+                                                                     const at::Tensor& images,
+                                                                     const TokenizeProblem& p) {
+  return images_depthwise_backward_weight_composed(grad_depthwise, images, p, backward_kernels());
 }
 
 std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
@@ -351,7 +380,8 @@ BackwardKernels backward_kernels() {
   return {&cuda::activated_depthwise_forward_into,      &cuda::activated_depthwise_backward_input,
           &cuda::activated_depthwise_backward_weight,   &cuda::activated_depthwise_backward,
           &cuda::activated_depthwise_backward_from_rows, &cuda::pointwise_backward,
-          &cuda::layer_norm_backward};
+          &cuda::layer_norm_backward,                    &cuda::images_depthwise_rows,
+          &cuda::images_depthwise_backward_weight};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

@@ -21,6 +21,7 @@
 
 #include "depthwise_forward.cuh"
 #include "fused_parts.cuh"
+#include "images.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -30,6 +31,7 @@ namespace {
 constexpr int kTile = 8;  // first kernel: stage-2 tiles of kTile x kTile pixels
 static_assert(kTile * kTile == kTileRows, "a first-kernel tile is one GEMM block");
 constexpr int kMaxImageChannels = 4;
+static_assert(kMaxImageChannels <= kMaxNormalizedChannels, "the images' channels are normalized");
 
 // Fields of one pointwise stage shared by both kernels.
 template <typename T>
@@ -364,7 +366,7 @@ struct FirstArgs {
   int C0, H0, W0;     // images as given; pixels outside are 0 after normalization
   int stride1, stride2;
   ActivationForm act1;  // after stage 1 (stage 2's GEMM has its own, none when stage 2 is last)
-  float mean[kMaxImageChannels], inv_std[kMaxImageChannels];
+  ImageNormalization normalization;
   const T* dw1_weight;
   const T* dw1_bias;
   const T* pw1_weight;  // [C1, C0]
@@ -416,12 +418,12 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
 #pragma unroll
   for (int c = 0; c < kMaxImageChannels; ++c) {
     if (c >= a.C0) break;
-    const float mean = a.mean[c], inv_std = a.inv_std[c];
+    const float mean = a.normalization.mean[c], inv_std = a.normalization.inv_std[c];
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int q = threadIdx.x + s * kThreads;
       // Zero after normalization: padding is zero in normalized space.
-      const float value = std::is_same_v<In, uint8_t> ? (v[c][s] - mean) * inv_std : v[c][s];
+      const float value = normalized<In>(v[c][s], mean, inv_std);
       if (q < window) image[c * window + q] = inside[s] ? value : 0.0f;
     }
   }
@@ -777,10 +779,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.stride1 = static_cast<int>(s1.stride);
   a.stride2 = static_cast<int>(s2.stride);
   a.act1 = activation_form<T>(p.activation);
-  for (int c = 0; c < kMaxImageChannels; ++c) {
-    a.mean[c] = c < p.C ? static_cast<float>(p.mean[c]) : 0.0f;
-    a.inv_std[c] = c < p.C ? static_cast<float>(1.0 / p.std[c]) : 1.0f;
-  }
+  a.normalization = image_normalization(p);
   a.dw1_weight = s1.dw_weight.data_ptr<T>();
   a.dw1_bias = s1.dw_bias.data_ptr<T>();
   a.pw1_weight = s1.pw_weight.data_ptr<T>();

@@ -397,8 +397,9 @@ def tokenize_backward_path(device_type: str) -> str:
     if device_type != "cuda":
         return common
     return common + (
-        "; at stride 2 one kernel takes each later stage's depthwise gradients in one pass "
-        "(the second stage's input computed from the images' stage's rows), one kernel "
-        "the images' stage's pointwise gradients, and one pass over the images as given "
-        "each its depthwise rows and its depthwise weight gradients"
+        "; one kernel takes each later stage's depthwise gradients in one pass at stride 2 "
+        "(the second stage's input computed from the images' stage's rows); for up to three "
+        "image channels, one kernel the images' stage's pointwise gradients (half types), "
+        "and one pass over the images as given each its depthwise rows and its depthwise "
+        "weight gradients"
     )

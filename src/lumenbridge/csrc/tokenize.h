@@ -86,8 +86,9 @@ struct TokenizeGradMask {
 // A stage's pointwise backward over rows: the gradient of its depthwise
 // output, [N, Cin, h, w] dense in the stage's depthwise layout, and (when
 // asked for) its pointwise weight and bias gradients. Composed of two GEMMs
-// on every device (tokenize_backward.cpp); on CUDA, stages with few input
-// channels take one kernel (cuda/pointwise_backward_narrow.cu).
+// on every device (tokenize_backward.cpp); on CUDA, stages with up to three
+// input channels take one kernel (cuda/pointwise_backward_narrow.cu: half
+// types, output channels a multiple of 16 up to 256).
 struct PointwiseGrads {
   at::Tensor grad_depthwise, weight, bias;
 };

@@ -236,12 +236,13 @@ at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwi
     if (!mask.images) return at::Tensor();
     return kernels.depthwise_backward_input(g_d, s.dw_weight, at::Tensor(), dw, Activation::NONE);
   }
-  if (!mask.parameters) return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, p.activation);
+  const Activation activation = activation_before(i, p);
+  if (!mask.parameters) return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, activation);
   at::Tensor grad_pre;
   std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
       input.rows.defined()
-          ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise, dw, p.activation)
-          : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, p.activation);
+          ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise, dw, activation)
+          : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, activation);
   return grad_pre;
 }
 

@@ -4,7 +4,10 @@
 // to float once; other values as given. The fused forward
 // (tokenize_fused.cu) and the backward's images' stage kernels
 // (images_stage.cu) read them through these definitions, so the backward's
-// recompute sees the values the forward saw.
+// recompute sees the values the forward saw. The composed path (the CPU, and
+// CUDA cases these kernels do not cover: tokenize_composed.cpp's
+// normalized_images) normalizes with ATen in the parameters' dtype, which
+// rounds twice: the two differ by about a unit in T's last place.
 #pragma once
 
 #include <type_traits>

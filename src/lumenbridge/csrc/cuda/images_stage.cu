@@ -117,10 +117,11 @@ __global__ void __launch_bounds__(kThreads)
   store_vec(rows + (n * conv.Ho * conv.Wo + pixel) * kRowWidth, row);
 }
 
-// Pass 1 of the weight gradient: block (chunk, c) takes output rows chunk,
-// chunk + chunks, ... of channel c over the batch (row r is image r / Ho,
-// output row r % Ho), a warp a row at a time, lanes along it. Each thread
-// sums g x over its outputs for every tap, and g for the bias.
+// Pass 1 of the weight gradient: block (chunk, c) takes channel c's output
+// rows over the batch (row r is image r / Ho, output row r % Ho), its warp w
+// the rows chunk * kWarps + w + k * chunks * kWarps, a row at a time, lanes
+// along it. Each thread sums g x over its outputs for every tap, and g for
+// the bias.
 constexpr int kWarps = kThreads / 32;
 
 template <typename In, typename T, int K>
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(kThreads)
     images_depthwise_weight_kernel(ImageReader<In> images, const T* __restrict__ grad_output,
                                    float* __restrict__ partials, ImageConv conv, int64_t output_rows, int chunks) {
   constexpr int kSums = K * K + 1;  // taps, then the bias
+  static_assert(kSums <= kThreads, "a thread a sum in the block's reduction");
   __shared__ float warp_sums[kWarps][kSums];
   const int chunk = blockIdx.x, c = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -197,9 +199,10 @@ void dispatch_images(const TokenizeProblem& p, Body&& body) {
 
 // The kernels take the images' stage where its rows are narrow (the images'
 // few channels) and every extent fits an int.
+// The convolution runs over the padded Hp x Wp extents.
 bool images_stage_covered(const TokenizeProblem& p) {
   const int64_t pixels = p.stages[0].out_h * p.stages[0].out_w;
-  return depthwise_row_width(p.C) == kRowAlignment && p.H <= kMaxExtent && p.W <= kMaxExtent &&
+  return depthwise_row_width(p.C) == kRowAlignment && p.Hp <= kMaxExtent && p.Wp <= kMaxExtent &&
          pixels <= kMaxExtent;
 }
 

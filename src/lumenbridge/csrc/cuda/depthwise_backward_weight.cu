@@ -101,19 +101,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  const int warp = tid / 32, lane = tid % 32;
-#pragma unroll
-  for (int i = 0; i < kSums; ++i) {
-    const float s = warp_sum(acc[i]);
-    if (lane == 0) warp_sums[warp][i] = s;
-  }
-  __syncthreads();
-  if (tid < kSums) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w][tid];
-    partials[(static_cast<int64_t>(c) * chunks + chunk) * kSums + tid] = total;
-  }
+  store_channel_partials<kSums>(acc, warp_sums, tid, c, chunk, chunks, partials);
 }
 
 // NHWC: the forward's tile geometry. Each thread accumulates the taps and

@@ -20,6 +20,7 @@
 #include "common.cuh"
 #include "images.cuh"
 #include "partial_sums.cuh"
+#include "weight_partials.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -129,7 +130,6 @@ __global__ void __launch_bounds__(kThreads)
     images_depthwise_weight_kernel(ImageReader<In> images, const T* __restrict__ grad_output,
                                    float* __restrict__ partials, ImageConv conv, int64_t output_rows, int chunks) {
   constexpr int kSums = K * K + 1;  // taps, then the bias
-  static_assert(kSums <= kThreads, "a thread a sum in the block's reduction");
   __shared__ float warp_sums[kWarps][kSums];
   const int chunk = blockIdx.x, c = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -154,18 +154,7 @@ __global__ void __launch_bounds__(kThreads)
       sums[K * K] += g;
     }
   }
-#pragma unroll
-  for (int i = 0; i < kSums; ++i) {
-    const float s = warp_sum(sums[i]);
-    if (lane == 0) warp_sums[warp][i] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < kSums) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += warp_sums[w][threadIdx.x];
-    partials[(static_cast<int64_t>(c) * chunks + chunk) * kSums + threadIdx.x] = total;
-  }
+  store_channel_partials<kSums>(sums, warp_sums, threadIdx.x, c, chunk, chunks, partials);
 }
 
 // Blocks per channel of pass 1: about kWeightBlocks over all channels (four

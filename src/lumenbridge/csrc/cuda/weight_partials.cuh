@@ -50,6 +50,33 @@ WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_b
   return split;
 }
 
+// Sums each thread's SUMS sums over a block of kThreads threads that all
+// work on channel c, in a fixed order (a warp's xor tree, then the warps in
+// turn through `warp_sums`), and stores the block's partials: the
+// one-channel blocks of the NCHW weight kernel (depthwise_backward_weight.cu)
+// and of the images' stage (images_stage.cu). `thread` counts from 0 in the
+// block, in the caller's own index type (int, or threadIdx's unsigned), so
+// each caller's index arithmetic stays what it was.
+template <int SUMS, typename Thread>
+__device__ __forceinline__ void store_channel_partials(const float (&acc)[SUMS],
+                                                       float (&warp_sums)[kThreads / 32][SUMS], Thread thread, int c,
+                                                       int chunk, int chunks, float* partials) {
+  static_assert(SUMS <= kThreads, "a thread a sum in the last step");
+  const int warp = thread / 32, lane = thread % 32;
+#pragma unroll
+  for (int i = 0; i < SUMS; ++i) {
+    const float s = warp_sum(acc[i]);
+    if (lane == 0) warp_sums[warp][i] = s;
+  }
+  __syncthreads();
+  if (thread < SUMS) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w][thread];
+    partials[(static_cast<int64_t>(c) * chunks + chunk) * SUMS + thread] = total;
+  }
+}
+
 // Sums the per-thread sums acc[sum][channel] of WARPS warps over the pixels
 // they cover, in a fixed order: across the lanes of a warp that share
 // channels (a fixed xor tree: lane = pixel * 8 + channel thread), then across

@@ -98,6 +98,25 @@ __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const Input
   }
 }
 
+// GELU at one pixel in bf16 / fp16, this thread's L channels: x = act(pre)
+// in float, and returns the slope act'(pre), packed, from the same tanh a
+// pair (gelu_pair_with_slope): evaluating the slope again at the store
+// would repeat the tanh and most of the polynomial.
+template <typename T, int L>
+__device__ __forceinline__ Vec<T, L> gelu_pixel_with_slope(const Vec<T, L>& pre, const GeluSlopeForm& form,
+                                                           float (&x)[L]) {
+  Vec<T, L> slopes;
+  const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
+  auto* out = reinterpret_cast<uint32_t*>(slopes.v);
+#pragma unroll
+  for (int h = 0; h < L / 2; ++h) {
+    const float2 a = unpack2<T>(gelu_pair_with_slope<T>(pairs[h], form, out[h]));
+    x[2 * h] = a.x;
+    x[2 * h + 1] = a.y;
+  }
+  return slopes;
+}
+
 // Where pre comes from: pre itself ([N, H, W, C]), or (FROM_ROWS) the rows
 // ([N * H * W, kRowWidth]) and the pointwise terms ([C, terms]).
 template <typename T>
@@ -108,7 +127,10 @@ struct PreSource {
   int terms;
 };
 
-template <typename T, int K, bool FROM_ROWS>
+// GELU_PAIRS: bf16 / fp16 GELU, whose x and slope come from one tanh a pair
+// (gelu_pixel_with_slope); the slope then takes pre's place in the thread's
+// own slot (which nothing reads again) until the stores after the visit.
+template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                   BothGradientsTile<T, K, FROM_ROWS>::kMinBlocks)
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
@@ -173,7 +195,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   };
 
   float sums[kSums][L] = {};
-  auto compute = [&](const T* tile, const TileCursor<3>& t) {
+  static_assert(!GELU_PAIRS || !std::is_same_v<T, float>, "packed pairs of a half type");
+  auto compute = [&](T* tile, const TileCursor<3>& t) {
     const auto window_pixel = [&](int la, int py, int px) {
       return tile + Tile::kPreAt + ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Pre::kSlab;
     };
@@ -207,18 +230,26 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      const auto pre_at = [&](int py, int px) {
+      // This thread's pre (or, with GELU_PAIRS once x is computed, the slope) at a pixel.
+      const auto own_slot = [&](int py, int px) -> Vec<T, L>& {
         if constexpr (FROM_ROWS) {
           return own_pre[4 * q + 2 * py + px][tid];
         } else {
-          return load_vec<T, L>(window_pixel(la, py, px) + lane_c * L);
+          return *reinterpret_cast<Vec<T, L>*>(window_pixel(la, py, px) + lane_c * L);
         }
       };
+      const auto pre_at = [&](int py, int px) { return own_slot(py, px); };
       float x[2][2][L];
 #pragma unroll
       for (int py = 0; py < 2; ++py) {
 #pragma unroll
-        for (int px = 0; px < 2; ++px) activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
+        for (int px = 0; px < 2; ++px) {
+          if constexpr (GELU_PAIRS) {
+            own_slot(py, px) = gelu_pixel_with_slope<T, L>(pre_at(py, px), slope.form, x[py][px]);
+          } else {
+            activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
+          }
+        }
       }
       float acc[2][2][L] = {};
       visit_quad<T, K, L, Grad::kRowPixels, Tile::kSlab>(
@@ -233,8 +264,15 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
             }
           });
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
-      store_quad<true, T, L>(acc, grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c, y, xs, H, W, C, c,
-                             vector_stores, slope, pre_at);
+      T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
+      if constexpr (GELU_PAIRS) {
+#pragma unroll
+        for (int py = 0; py < 2; ++py) {
+#pragma unroll
+          for (int px = 0; px < 2; ++px) multiply_by_packed<T, L>(acc[py][px], own_slot(py, px));
+        }
+      }
+      store_quad<!GELU_PAIRS, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
     }
   };
 
@@ -252,7 +290,10 @@ void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const 
                  Activation activation, at::Tensor& grad_input, float* partials, const WorkSplit& split,
                  const DepthwiseProblem& p, cudaStream_t stream) {
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
-  constexpr auto kernel = depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS>;
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  const auto kernel = kHalf && activation == Activation::GELU
+                          ? depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, kHalf>
+                          : depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, false>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);

@@ -193,9 +193,13 @@ GeluSlopeForm gelu_slope_form() {
   }
 }
 
-// act'(v) for a packed pair v of T, packed the same way.
+// GELU and its slope at a packed pair v of T from one tanh: returns act(v)
+// and sets `slope` to act'(v), both packed. act(v) is activate_pair's GELU
+// bit for bit: there u = v p(z) + q with q = 0, here v p(z), which differ
+// only in the sign of a zero, and tanh, (1 + t) / 2 and the product by v
+// give the same result for either.
 template <typename T>
-__device__ __forceinline__ uint32_t gelu_slope_pair(uint32_t v, const GeluSlopeForm& f) {
+__device__ __forceinline__ uint32_t gelu_pair_with_slope(uint32_t v, const GeluSlopeForm& f, uint32_t& slope) {
   using M = PairMath<T>;
   constexpr uint32_t kSigns = 0x80008000u;
   const uint32_t z = M::min(M::mul(v, v), f.clamp);
@@ -203,7 +207,18 @@ __device__ __forceinline__ uint32_t gelu_slope_pair(uint32_t v, const GeluSlopeF
   const uint32_t du = M::fma(M::fma(z, f.d2, f.d1), z, f.p0);
   const uint32_t t = M::tanh(M::mul(v, p));
   const uint32_t flat = M::fma(t ^ kSigns, t, f.one);  // 1 - t^2
-  return M::fma(M::mul(M::mul(v, f.half), flat), du, M::fma(t, f.half, f.half));
+  const uint32_t scaled = M::mul(M::mul(v, f.half), flat);
+  const uint32_t h = M::fma(t, f.half, f.half);  // (1 + t) / 2
+  slope = M::fma(scaled, du, h);
+  return M::mul(v, h);
+}
+
+// act'(v) for a packed pair v of T, packed the same way.
+template <typename T>
+__device__ __forceinline__ uint32_t gelu_slope_pair(uint32_t v, const GeluSlopeForm& f) {
+  uint32_t slope;
+  gelu_pair_with_slope<T>(v, f, slope);
+  return slope;
 }
 
 }  // namespace cuda

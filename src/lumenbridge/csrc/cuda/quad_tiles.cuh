@@ -39,6 +39,24 @@ struct QuadReach {
 // GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
 using OutputSlope = PackedChoice<GeluSlopeForm>;
 
+// Scales gradients 2h and 2h + 1 of a pixel by a packed pair of slopes.
+template <typename T, int L>
+__device__ __forceinline__ void multiply_pair(float (&value)[L], int h, uint32_t slopes) {
+  const float2 s = unpack2<T>(slopes);
+  value[2 * h] *= s.x;
+  value[2 * h + 1] *= s.y;
+}
+
+// Scales a thread's L gradients at one pixel by slopes already evaluated,
+// packed pairs of T.
+template <typename T, int L>
+__device__ __forceinline__ void multiply_by_packed(float (&value)[L], const Vec<T, L>& slopes) {
+  static_assert(L % 2 == 0, "the packed slope takes pairs");
+  const auto* pairs = reinterpret_cast<const uint32_t*>(slopes.v);
+#pragma unroll
+  for (int h = 0; h < L / 2; ++h) multiply_pair<T, L>(value, h, pairs[h]);
+}
+
 // Scales a thread's L gradients at one pixel by act'(pre) there. The choice
 // is uniform across the grid.
 template <typename T, int L>
@@ -48,11 +66,7 @@ __device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T
       static_assert(L % 2 == 0, "the packed slope takes pairs");
       const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
 #pragma unroll
-      for (int h = 0; h < L / 2; ++h) {
-        const float2 s = unpack2<T>(gelu_slope_pair<T>(pairs[h], slope.form));
-        value[2 * h] *= s.x;
-        value[2 * h + 1] *= s.y;
-      }
+      for (int h = 0; h < L / 2; ++h) multiply_pair<T, L>(value, h, gelu_slope_pair<T>(pairs[h], slope.form));
       return;
     }
   }

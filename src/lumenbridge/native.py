@@ -398,8 +398,9 @@ def tokenize_backward_path(device_type: str) -> str:
         return common
     return common + (
         "; one kernel takes each later stage's depthwise gradients in one pass at stride 2 "
-        "(the second stage's input computed from the images' stage's rows); for up to three "
-        "image channels, one kernel the images' stage's pointwise gradients (half types), "
-        "and one pass over the images as given each its depthwise rows and its depthwise "
-        "weight gradients"
+        "(the second stage's input computed from the images' stage's rows, and in half types "
+        "the images' stage's pointwise gradients folded into the same pass); for up to three "
+        "image channels, one kernel the images' stage's pointwise gradients where that fold "
+        "does not apply (half types), and one pass over the images as given each its depthwise "
+        "rows and its depthwise weight gradients"
     )

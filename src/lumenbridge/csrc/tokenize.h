@@ -9,6 +9,7 @@
 // also returns what the backward would otherwise recompute first.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -101,6 +102,25 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
                                   const DepthwiseProblem& p, bool parameters);
 }  // namespace cuda
 
+// A stage's depthwise weight and bias gradients, computed from the previous
+// (narrow) stage's rows, with that stage's pointwise backward folded into
+// the same pass: the gradient of pre, between the two, never reaches
+// device memory. On CUDA (cuda/depthwise_backward_both.cu: half types,
+// stride 2, NHWC); nullopt where that kernel does not cover the problem.
+// The arguments are activated_depthwise_backward_from_rows's.
+struct FoldedGrads {
+  at::Tensor weight, bias;
+  PointwiseGrads previous;
+};
+namespace cuda {
+std::optional<FoldedGrads> activated_depthwise_backward_folding_pointwise(const at::Tensor& grad_output,
+                                                                           const at::Tensor& weight,
+                                                                           const at::Tensor& rows,
+                                                                           const at::Tensor& pointwise,
+                                                                           const DepthwiseProblem& p,
+                                                                           Activation activation);
+}  // namespace cuda
+
 // The images' stage's depthwise convolution as the backward needs it, from
 // the images as the op takes them: its output as rows
 // (depthwise_rows_sizes(p, 0)), and its weight and bias gradients from the
@@ -134,6 +154,7 @@ struct BackwardKernels {
   decltype(&cpu::activated_depthwise_backward_weight) depthwise_backward_weight;
   decltype(&cpu::activated_depthwise_backward) depthwise_backward;  // both at once
   decltype(&cpu::activated_depthwise_backward_from_rows) depthwise_backward_from_rows;
+  decltype(&cuda::activated_depthwise_backward_folding_pointwise) depthwise_backward_folding_pointwise;  // or null
   decltype(&pointwise_backward_composed) pointwise_backward;
   decltype(&layer_norm_backward_aten) layer_norm_backward;
   decltype(&cpu::images_depthwise_rows) images_depthwise_rows;

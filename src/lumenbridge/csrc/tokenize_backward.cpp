@@ -14,7 +14,9 @@
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
 //                                                               CUDA one kernel for
-//                                                               the images' stage)
+//                                                               the images' stage, or
+//                                                               folded into the next
+//                                                               stage's depthwise one)
 //   depthwise   dW, db from g_d and x_i = act(n_{i-1}),        (LumenBridge kernels)
 //               g_n = act'(n_{i-1}) g_x with g_x from g_d
 // where n_{i-1} = norm(p_{i-1}). Neither x_i nor g_x is stored: the
@@ -198,52 +200,76 @@ struct StageInput {
   at::Tensor pre, rows, pointwise, images;
 };
 
-// One stage's backward. `grad` is the gradient of the stage's normed output,
-// `output` its pointwise output, `depthwise` its depthwise rows and `input`
-// its input (all taken over, so they are released as soon as they are used).
-// The parameters' gradients go into `grads`; returns the gradient of its
-// input before the activation, undefined when the first stage needs none.
-at::Tensor stage_backward(at::Tensor grad, at::Tensor output, at::Tensor depthwise, StageInput input, size_t i,
+// The gradient one stage's backward hands to the stage before it: of that
+// stage's normed output, or, where its pointwise backward was folded into
+// this stage's depthwise backward (depthwise_backward_folding_pointwise), of
+// its depthwise output.
+struct HandedGrad {
+  at::Tensor grad;
+  bool of_depthwise = false;
+};
+
+// One stage's backward. `handed` is the gradient the next stage handed on,
+// `output` the stage's pointwise output, `depthwise` its depthwise rows and
+// `input` its input (all taken over, so they are released as soon as they
+// are used). The parameters' gradients go into `grads` (the previous
+// stage's pointwise ones too, where it folds); returns what it hands on,
+// undefined when the first stage needs no input gradient.
+HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depthwise, StageInput input, size_t i,
                           const TokenizeProblem& p, TokenizeGradMask mask, const BackwardKernels& kernels,
                           TokenizeGrads& grads) {
   const TokenizeStage& s = p.stages[i];
-  AffineGrads norm = stage_norm_backward(grad, output, s, p, mask.parameters, kernels);
-  grad.reset();
-  output.reset();
-  if (mask.parameters && p.stage_norm != StageNorm::NONE) {
-    grads.norm_weights[i] = norm.weight;
-    grads.norm_biases[i] = norm.bias;
-  }
-  at::Tensor g_p = rows(norm.input);
-  norm.input.reset();
   const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
-  PointwiseGrads pointwise = kernels.pointwise_backward(g_p, depthwise, s.pw_weight, dw, mask.parameters);
+  at::Tensor g_d;
+  if (handed.of_depthwise) {
+    g_d = std::move(handed.grad);
+  } else {
+    AffineGrads norm = stage_norm_backward(handed.grad, output, s, p, mask.parameters, kernels);
+    handed.grad.reset();
+    if (mask.parameters && p.stage_norm != StageNorm::NONE) {
+      grads.norm_weights[i] = norm.weight;
+      grads.norm_biases[i] = norm.bias;
+    }
+    at::Tensor g_p = rows(norm.input);
+    norm.input.reset();
+    PointwiseGrads pointwise = kernels.pointwise_backward(g_p, depthwise, s.pw_weight, dw, mask.parameters);
+    if (mask.parameters) {
+      grads.pw_weights[i] = std::move(pointwise.weight);
+      grads.pw_biases[i] = std::move(pointwise.bias);
+    }
+    g_d = std::move(pointwise.grad_depthwise);
+  }
   // Each tensor is released after its last use: the largest stage inputs and
   // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
-  g_p.reset();
+  output.reset();
   depthwise.reset();
-  if (mask.parameters) {
-    grads.pw_weights[i] = std::move(pointwise.weight);
-    grads.pw_biases[i] = std::move(pointwise.bias);
-  }
-  const at::Tensor g_d = std::move(pointwise.grad_depthwise);
   if (i == 0) {
     // No activation before the images' stage: its input gradient needs no input.
     if (mask.parameters) {
       std::tie(grads.dw_weights[0], grads.dw_biases[0]) =
           kernels.images_depthwise_backward_weight(g_d, input.images, p);
     }
-    if (!mask.images) return at::Tensor();
-    return kernels.depthwise_backward_input(g_d, s.dw_weight, at::Tensor(), dw, Activation::NONE);
+    if (!mask.images) return {};
+    return {kernels.depthwise_backward_input(g_d, s.dw_weight, at::Tensor(), dw, Activation::NONE)};
   }
   const Activation activation = activation_before(i, p);
-  if (!mask.parameters) return kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, activation);
+  if (!mask.parameters) return {kernels.depthwise_backward_input(g_d, s.dw_weight, input.pre, dw, activation)};
+  if (input.rows.defined() && kernels.depthwise_backward_folding_pointwise != nullptr) {
+    if (auto folded = kernels.depthwise_backward_folding_pointwise(g_d, s.dw_weight, input.rows, input.pointwise, dw,
+                                                                   activation)) {
+      grads.dw_weights[i] = std::move(folded->weight);
+      grads.dw_biases[i] = std::move(folded->bias);
+      grads.pw_weights[i - 1] = std::move(folded->previous.weight);
+      grads.pw_biases[i - 1] = std::move(folded->previous.bias);
+      return {std::move(folded->previous.grad_depthwise), true};
+    }
+  }
   at::Tensor grad_pre;
   std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
       input.rows.defined()
           ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise, dw, activation)
           : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, activation);
-  return grad_pre;
+  return {grad_pre};
 }
 
 }  // namespace
@@ -322,6 +348,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     grads.token_norm_weight = token.weight;
     grads.token_norm_bias = token.bias;
   }
+  HandedGrad handed{std::move(g)};
   for (size_t i = S; i-- > 0;) {
     // The stage input before its activation: the previous stage's normed
     // output (or its rows, which that stage still needs), or the images.
@@ -334,14 +361,12 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
     } else {
       input.pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
     }
-    at::Tensor g_x = stage_backward(std::move(g), std::move(outputs[i]), std::move(forward.depthwise[i]),
-                                    std::move(input), i, p, mask, kernels, grads);
-    if (i > 0) {
-      g = std::move(g_x);
-    } else if (mask.images) {
-      // Padding was added after normalization: its gradient is dropped.
-      grads.images = dense(g_x.narrow(2, 0, p.H).narrow(3, 0, p.W), p.layout);
-    }
+    handed = stage_backward(std::move(handed), std::move(outputs[i]), std::move(forward.depthwise[i]),
+                            std::move(input), i, p, mask, kernels, grads);
+  }
+  if (mask.images) {
+    // Padding was added after normalization: its gradient is dropped.
+    grads.images = dense(handed.grad.narrow(2, 0, p.H).narrow(3, 0, p.W), p.layout);
   }
   return grads;
 }
@@ -350,7 +375,8 @@ namespace cpu {
 BackwardKernels backward_kernels() {
   return {&cpu::activated_depthwise_forward_into,      &cpu::activated_depthwise_backward_input,
           &cpu::activated_depthwise_backward_weight,   &cpu::activated_depthwise_backward,
-          &cpu::activated_depthwise_backward_from_rows, &pointwise_backward_composed,
+          &cpu::activated_depthwise_backward_from_rows, nullptr,
+          &pointwise_backward_composed,
           &layer_norm_backward_aten,                    &cpu::images_depthwise_rows,
           &cpu::images_depthwise_backward_weight};
 }
@@ -380,7 +406,8 @@ namespace cuda {
 BackwardKernels backward_kernels() {
   return {&cuda::activated_depthwise_forward_into,      &cuda::activated_depthwise_backward_input,
           &cuda::activated_depthwise_backward_weight,   &cuda::activated_depthwise_backward,
-          &cuda::activated_depthwise_backward_from_rows, &cuda::pointwise_backward,
+          &cuda::activated_depthwise_backward_from_rows, &cuda::activated_depthwise_backward_folding_pointwise,
+          &cuda::pointwise_backward,
           &cuda::layer_norm_backward,                    &cuda::images_depthwise_rows,
           &cuda::images_depthwise_backward_weight};
 }

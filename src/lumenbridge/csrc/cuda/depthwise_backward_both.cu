@@ -19,11 +19,25 @@
 // The weight sums are deterministic as depthwise_backward_weight.cu's: each
 // block takes a fixed run of tiles (weight_partials.cuh) and pass 2 sums the
 // blocks in a fixed order (partial_sums.cuh).
+//
+// Where pre comes from a narrow stage's rows (FROM_ROWS), that stage's
+// pointwise backward can run here too (FOLD), on the tensor cores, from the
+// gradient of pre g as the threads hold it (rounded to T, as it would be
+// stored), so g, the presets' largest gradient (112 x 112 x 96), never
+// reaches device memory:
+//   g_d[m, j] = sum_c g[m, c] W[c, j]    j < cin, each slab's share in float
+//   sum_m g[m, c] rows[m, j]             j <= cin: the weight, then the bias
+//                                         (the rows' ones column)
+// Each thread leaves its g in its own slots of the tile (where the slope
+// waited for the stores); after one more barrier the warps read the tile as
+// a [256 pixels, 32 channels] matrix G (fold_tile). The weight sums follow
+// the depthwise ones: per block in registers, then the fixed-order pass 2.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../activated_depthwise.h"
 #include "../tokenize.h"
 #include "common.cuh"
+#include "fused_parts.cuh"
 #include "nhwc_tiles.cuh"
 #include "partial_sums.cuh"
 #include "quad_tiles.cuh"
@@ -127,18 +141,109 @@ struct PreSource {
   int terms;
 };
 
+// Where FOLD writes the narrow stage's pointwise backward.
+struct FoldTarget {
+  float* grad_depthwise;  // [slabs, N, cin, H, W]: each slab's share of g_d
+  int64_t images;         // N
+  float* partials;        // [C, chunks, cin + 1]: the weight sums, then the bias's
+  int cin;
+};
+
+// One tile's share of the narrow stage's pointwise backward (FOLD), warp
+// `warp` taking G's rows 32 warp .. 32 warp + 31. Row m = 32 p + u of G is
+// the pixel slot p of the threads u * 8 .. u * 8 + 7 (`g_row(m, k)`: its
+// channels 8k .. 8k + 7, 16 bytes), whose rows entry is `rows_row(m)` and
+// whose place in the image `pixel_of(m, y, x)` gives (false past the image).
+// `pointwise` holds the slab's terms [32][kRowTerms] in float (exact in T);
+// `slab_image` is slab * N + image, the tile's [cin, H, W] plane of g_d.
+template <typename T, typename GRow, typename RowsRow, typename PixelOf>
+__device__ __forceinline__ void fold_tile(const float (*pointwise)[kRowTerms], float (&weight_sums)[2][4],
+                                          const FoldTarget& fold, int64_t slab_image, int H, int W, int warp,
+                                          int lane, GRow&& g_row, RowsRow&& rows_row, PixelOf&& pixel_of) {
+  const int g = lane / 4, t = lane % 4, matrix = lane / 8, matrix_row = lane % 8;
+  // g_d's B operand per 16 channels s: W[c][j] at k = c, n = j (zero for j >= cin).
+  uint32_t w[2][2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int c = 16 * s + 8 * half + 2 * t;
+      w[s][half] = g < fold.cin ? pack2<T>(pointwise[c][g], pointwise[c + 1][g]) : 0u;
+    }
+  }
+#pragma unroll
+  for (int block = 0; block < 2; ++block) {
+    const int m0 = 32 * warp + 16 * block;
+    // g_d: A = G's 16 rows (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
+    float gd[4] = {};
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      uint32_t a[4];
+      fused::ldmatrix_x4(a, g_row(m0 + (matrix % 2) * 8 + matrix_row, 2 * s + matrix / 2));
+      fused::mma_16816<T>(gd, a, w[s][0], w[s][1]);
+    }
+    // gd[0], gd[1]: row m0 + g, j = 2t, 2t + 1; gd[2], gd[3]: row m0 + g + 8.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int y, x;
+      if (!pixel_of(m0 + g + 8 * half, y, x)) continue;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 2 * t + e;
+        if (j < fold.cin) {
+          fold.grad_depthwise[((slab_image * fold.cin + j) * H + y) * static_cast<int64_t>(W) + x] =
+              gd[2 * half + e];
+        }
+      }
+    }
+    // The weight sums: A = G^T (16 channels x these 16 rows), B = the rows.
+    uint32_t b[2];
+    fused::ldmatrix_x2_trans(b, rows_row(m0 + lane % 16));
+#pragma unroll
+    for (int cb = 0; cb < 2; ++cb) {
+      uint32_t a[4];
+      fused::ldmatrix_x4_trans(a, g_row(m0 + (matrix / 2) * 8 + matrix_row, 2 * cb + matrix % 2));
+      fused::mma_16816<T>(weight_sums[cb], a, b[0], b[1]);
+    }
+  }
+}
+
+// A block's pointwise weight sums (FOLD) as its partials: the warps' mma
+// accumulators (weight_sums[cb][i]: channel 16 cb + g + 8 (i / 2), term
+// 2t + i % 2) summed over the warps in a fixed order through `scratch`
+// (kWarps * 256 floats).
+template <int WARPS>
+__device__ __forceinline__ void store_fold_partials(const float (&weight_sums)[2][4], float* scratch, int tid,
+                                                    int c0, int C, int chunk, int chunks, const FoldTarget& fold) {
+  const int warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) scratch[(warp * 8 + k) * 32 + lane] = weight_sums[k / 4][k % 4];
+  __syncthreads();
+  for (int k = tid; k < 8 * 32; k += WARPS * 32) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) total += scratch[w * 8 * 32 + k];
+    const int at = k / 32, owner = k % 32, cb = at / 4, i = at % 4;
+    const int c = c0 + 16 * cb + owner / 4 + 8 * (i / 2), j = 2 * (owner % 4) + i % 2;
+    if (j <= fold.cin && c < C) fold.partials[(static_cast<int64_t>(c) * chunks + chunk) * (fold.cin + 1) + j] = total;
+  }
+}
+
 // GELU_PAIRS: bf16 / fp16 GELU, whose x and slope come from one tanh a pair
 // (gelu_pixel_with_slope); the slope then takes pre's place in the thread's
 // own slot (which nothing reads again) until the stores after the visit.
-template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS>
+// FOLD (with FROM_ROWS, half types): the narrow stage's pointwise backward
+// into `fold`, instead of the gradient of pre into grad_input.
+template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS, bool FOLD>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                   BothGradientsTile<T, K, FROM_ROWS>::kMinBlocks)
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
                                            PreSource<T> source, T* __restrict__ grad_input,
-                                           float* __restrict__ partials, InputActivation activation,
-                                           OutputSlope slope, int C, int H, int W, int Ho, int Wo, int grad_chunk,
-                                           bool vector_stores, TileSpace<3> space, int items, int tiles_per_block,
-                                           int chunks) {
+                                           float* __restrict__ partials, FoldTarget fold,
+                                           InputActivation activation, OutputSlope slope, int C, int H, int W,
+                                           int Ho, int Wo, int grad_chunk, bool vector_stores, TileSpace<3> space,
+                                           int items, int tiles_per_block, int chunks) {
+  static_assert(!FOLD || (FROM_ROWS && !std::is_same_v<T, float>), "the fold reads the rows on the tensor cores");
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
   using Grad = typename Tile::Grad;
   using Pre = typename Tile::Pre;
@@ -195,6 +300,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   };
 
   float sums[kSums][L] = {};
+  float fold_sums[FOLD ? 2 : 1][4] = {};
   static_assert(!GELU_PAIRS || !std::is_same_v<T, float>, "packed pairs of a half type");
   auto compute = [&](T* tile, const TileCursor<3>& t) {
     const auto window_pixel = [&](int la, int py, int px) {
@@ -264,7 +370,6 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
             }
           });
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
-      T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
       if constexpr (GELU_PAIRS) {
 #pragma unroll
         for (int py = 0; py < 2; ++py) {
@@ -272,7 +377,54 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
           for (int px = 0; px < 2; ++px) multiply_by_packed<T, L>(acc[py][px], own_slot(py, px));
         }
       }
-      store_quad<!GELU_PAIRS, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
+      if constexpr (FOLD) {
+        // g into this thread's own slots (zero past the image) for fold_tile.
+#pragma unroll
+        for (int py = 0; py < 2; ++py) {
+#pragma unroll
+          for (int px = 0; px < 2; ++px) {
+            if constexpr (!GELU_PAIRS) multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
+            const bool inside = y + py < H && xs + px < W;
+            Vec<T, L> value;
+#pragma unroll
+            for (int e = 0; e < L; ++e) value.v[e] = static_cast<T>(inside ? acc[py][px][e] : 0.0f);
+            own_slot(py, px) = value;
+          }
+        }
+      } else {
+        T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
+        store_quad<!GELU_PAIRS, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
+      }
+    }
+    if constexpr (FOLD) {
+      __syncthreads();  // every thread's g is in own_pre
+      const T* g_tile = own_pre[0][0].v;
+      // Row m of G: pixel slot p = m / 32 of the threads u * 8 .. u * 8 + 7, u = m % 32
+      // (quad column u % 8, quad rows 2 (u / 8) + q with p = 4 q + 2 py + px).
+      const auto place = [](int m, int& la, int& py, int& px, int& quad_column) {
+        const int p = m / 32, u = m % 32;
+        quad_column = u % Tile::kOutW;
+        la = u / Tile::kOutW * R + p / 4;
+        py = p / 2 % 2;
+        px = p % 2;
+      };
+      fold_tile<T>(
+          pointwise, fold_sums, fold, static_cast<int64_t>(blockIdx.y) * fold.images + t.digit[2], H, W, tid / 32,
+          tid % 32,
+          [&](int m, int k) { return g_tile + ((m / 32) * Tile::kThreads + 8 * (m % 32) + 2 * k) * L; },
+          [&](int m) {
+            int la, py, px, quad_column;
+            place(m, la, py, px, quad_column);
+            const int pixel = (2 * la + py) * Pre::kRowPixels + Pre::column(2 * quad_column + px);
+            return tile + Tile::kPreAt + pixel * Pre::kSlab;
+          },
+          [&](int m, int& y, int& x) {
+            int la, py, px, quad_column;
+            place(m, la, py, px, quad_column);
+            y = 2 * (t.digit[1] * Tile::kOutH + la) + py;
+            x = 2 * (t.digit[0] * Tile::kOutW + quad_column) + px;
+            return y < H && x < W;
+          });
     }
   };
 
@@ -283,24 +435,34 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   __syncthreads();
   store_slab_partials<Tile::kWarps>(sums, reinterpret_cast<float*>(shared_bytes), tid, c0, C, chunk, chunks,
                                     partials, [] { __syncthreads(); });
+  if constexpr (FOLD) {
+    static_assert(sizeof(own_pre) >= sizeof(float) * Tile::kWarps * 8 * 32, "the fold's block sums fit own_pre");
+    store_fold_partials<Tile::kWarps>(fold_sums, reinterpret_cast<float*>(own_pre), tid, c0, C, chunk, chunks, fold);
+  }
+}
+
+// The kernel instance for an activation: GELU_PAIRS for GELU in half types.
+template <typename T, int K, bool FROM_ROWS, bool FOLD>
+auto both_kernel(Activation activation) {
+  constexpr bool kHalf = !std::is_same_v<T, float>;
+  return kHalf && activation == Activation::GELU ? depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, kHalf, FOLD>
+                                                 : depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, false, FOLD>;
 }
 
 template <typename T, int K, bool FROM_ROWS>
 void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const PreSource<T>& source,
-                 Activation activation, at::Tensor& grad_input, float* partials, const WorkSplit& split,
-                 const DepthwiseProblem& p, cudaStream_t stream) {
+                 Activation activation, T* grad_input, float* partials, const FoldTarget& fold,
+                 const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
-  constexpr bool kHalf = !std::is_same_v<T, float>;
-  const auto kernel = kHalf && activation == Activation::GELU
-                          ? depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, kHalf>
-                          : depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, false>;
+  constexpr bool kFoldable = FROM_ROWS && !std::is_same_v<T, float>;
+  const auto kernel = fold.partials != nullptr ? both_kernel<T, K, FROM_ROWS, kFoldable>(activation)
+                                               : both_kernel<T, K, FROM_ROWS, false>(activation);
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
-  const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input.data_ptr()}) == Tile::kLane;
+  const bool vector_stores = grad_input != nullptr && vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
   kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads, Tile::kSharedBytes,
-           stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), source,
-                     grad_input.mutable_data_ptr<T>(), partials,
+           stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), source, grad_input, partials, fold,
                      InputActivation{activation, activation_form<T>(activation)},
                      OutputSlope{activation, gelu_slope_form<T>()}, static_cast<int>(p.C), static_cast<int>(p.H),
                      static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
@@ -309,15 +471,22 @@ void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// What one pass returns: the depthwise gradients (grad_input undefined where
+// the pass folds), and where it folds, the narrow stage's pointwise ones.
+struct OnePassGrads {
+  at::Tensor grad_input, grad_weight, grad_bias;
+  PointwiseGrads folded;
+};
+
 // Both gradients in one pass where the kernel covers the problem, pre read
-// from `values` (FROM_ROWS: computed from the rows `values` and `pointwise`);
-// elsewhere `separately()`.
-template <bool FROM_ROWS, typename Separately>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> one_pass_or(const at::Tensor& grad_output, const at::Tensor& weight,
-                                                           const at::Tensor& values, const at::Tensor& pointwise,
-                                                           const DepthwiseProblem& p, Activation activation,
-                                                           Separately&& separately) {
-  if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return separately();
+// from `values` (FROM_ROWS: computed from the rows `values` and `pointwise`;
+// with `fold`, also that narrow stage's pointwise backward); nullopt elsewhere.
+template <bool FROM_ROWS>
+std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Tensor& weight,
+                                     const at::Tensor& values, const at::Tensor& pointwise,
+                                     const DepthwiseProblem& p, Activation activation, bool fold) {
+  if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return std::nullopt;
+  if (fold && (!FROM_ROWS || grad_output.scalar_type() == at::kFloat)) return std::nullopt;
   check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(values.device());
   TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
@@ -330,32 +499,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> one_pass_or(const at::Tensor& gra
                           values.is_contiguous(at::MemoryFormat::ChannelsLast));
   }
   const auto options = grad_output.options();
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+  std::optional<OnePassGrads> result;
   LUMENBRIDGE_DISPATCH_CUDA_TYPES(grad_output.scalar_type(), "lumenbridge_depthwise_backward_both", [&] {
     using T = scalar_t;
     dispatch_kernel_size(p.K, [&](auto k) {
       constexpr int K = decltype(k)::value;
       using Tile = BothGradientsTile<T, K, FROM_ROWS>;
-      if constexpr (!Tile::kCovered) {
-        result = separately();
-      } else if (Tile::kBlockBytes > max_shared_bytes_per_block()) {
-        result = separately();
-      } else {
-        at::Tensor grad_input = new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
-        at::Tensor grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
-        at::Tensor grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
+      if constexpr (Tile::kCovered) {
+        if (Tile::kBlockBytes > max_shared_bytes_per_block()) return;
+        OnePassGrads out;
         const WorkSplit split = split_work<Tile>(p, ceil_div64(p.C, Tile::kSlab), kNhwcBlocks);
+        const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
         at::Tensor partials = at::empty({p.C, split.chunks, Tile::kSums}, options.dtype(at::kFloat));
+        FoldTarget target{};
+        at::Tensor fold_shares, fold_partials;
+        if (fold) {
+          target.cin = static_cast<int>(pointwise.size(1)) - 1;
+          target.images = p.N;
+          fold_shares = at::empty({slabs, p.N, target.cin, p.H, p.W}, options.dtype(at::kFloat));
+          fold_partials = at::empty({p.C, split.chunks, target.cin + 1}, options.dtype(at::kFloat));
+          target.grad_depthwise = fold_shares.mutable_data_ptr<float>();
+          target.partials = fold_partials.mutable_data_ptr<float>();
+        } else {
+          out.grad_input = new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
+        }
+        out.grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
+        out.grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
         const PreSource<T> source{values.const_data_ptr<T>(),
                                   chunk_width<T>(FROM_ROWS ? kRowWidth : p.C, values.const_data_ptr()),
                                   FROM_ROWS ? pointwise.const_data_ptr<T>() : nullptr,
                                   FROM_ROWS ? static_cast<int>(pointwise.size(1)) : 0};
-        launch_both<T, K, FROM_ROWS>(grad_output, weight, source, activation, grad_input,
-                                     partials.mutable_data_ptr<float>(), split, p, stream);
+        launch_both<T, K, FROM_ROWS>(grad_output, weight, source, activation,
+                                     fold ? nullptr : out.grad_input.mutable_data_ptr<T>(),
+                                     partials.mutable_data_ptr<float>(), target, split, p, stream);
         sum_partials<T>(partials.const_data_ptr<float>(), p.C, split.chunks, Tile::kSums,
-                        {grad_weight.mutable_data_ptr<T>(), grad_bias.mutable_data_ptr<T>(), K * K, 1}, stream);
-        result = {grad_input, grad_weight, grad_bias};
+                        {out.grad_weight.mutable_data_ptr<T>(), out.grad_bias.mutable_data_ptr<T>(), K * K, 1},
+                        stream);
+        if (fold) {
+          const int64_t cin = target.cin;
+          out.folded.weight = new_output({p.C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
+          out.folded.bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
+          sum_partials<T>(fold_partials.const_data_ptr<float>(), p.C, split.chunks, target.cin + 1,
+                          {out.folded.weight.mutable_data_ptr<T>(), out.folded.bias.mutable_data_ptr<T>(),
+                           target.cin, 1},
+                          stream);
+          // The slabs' shares in a fixed order (an ATen reduction), then rounded as a GEMM's output.
+          out.folded.grad_depthwise = fold_shares.sum(0).to(grad_output.scalar_type());
+        }
+        result = std::move(out);
       }
     });
   });
@@ -369,20 +561,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
                                                                           const at::Tensor& pre,
                                                                           const DepthwiseProblem& p,
                                                                           Activation activation) {
-  return one_pass_or<false>(grad_output, weight, pre, at::Tensor(), p, activation, [&] {
-    return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,
-                                            grad_output, weight, pre, p, activation);
-  });
+  if (auto out = one_pass<false>(grad_output, weight, pre, at::Tensor(), p, activation, false)) {
+    return {out->grad_input, out->grad_weight, out->grad_bias};
+  }
+  return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,
+                                          grad_output, weight, pre, p, activation);
 }
+
+namespace {
+// Whether the one-pass kernel can read pre from these rows and terms.
+bool rows_readable(const at::Tensor& rows, const at::Tensor& pointwise) {
+  return rows.size(1) == kRowWidth && pointwise.size(1) <= kRowTerms;
+}
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward_from_rows(
     const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& rows, const at::Tensor& pointwise,
     const DepthwiseProblem& p, Activation activation) {
-  const auto composed = [&] {
-    return activated_depthwise_backward(grad_output, weight, pre_from_rows(rows, pointwise, p), p, activation);
-  };
-  if (rows.size(1) != kRowWidth || pointwise.size(1) > kRowTerms) return composed();
-  return one_pass_or<true>(grad_output, weight, rows, pointwise, p, activation, composed);
+  if (rows_readable(rows, pointwise)) {
+    if (auto out = one_pass<true>(grad_output, weight, rows, pointwise, p, activation, false)) {
+      return {out->grad_input, out->grad_weight, out->grad_bias};
+    }
+  }
+  return activated_depthwise_backward(grad_output, weight, pre_from_rows(rows, pointwise, p), p, activation);
+}
+
+std::optional<FoldedGrads> activated_depthwise_backward_folding_pointwise(const at::Tensor& grad_output,
+                                                                           const at::Tensor& weight,
+                                                                           const at::Tensor& rows,
+                                                                           const at::Tensor& pointwise,
+                                                                           const DepthwiseProblem& p,
+                                                                           Activation activation) {
+  if (!rows_readable(rows, pointwise)) return std::nullopt;
+  auto out = one_pass<true>(grad_output, weight, rows, pointwise, p, activation, true);
+  if (!out) return std::nullopt;
+  return FoldedGrads{out->grad_weight, out->grad_bias, std::move(out->folded)};
 }
 
 }  // namespace cuda

@@ -57,16 +57,20 @@ def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, r
     assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
 
 
+@pytest.mark.parametrize("stage_norm", ["none", "layernorm"])
 @pytest.mark.parametrize("channels", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("device", device_params())
-def test_gradients_for_other_image_channel_counts(channels, device, native_ops, request):
+def test_gradients_for_other_image_channel_counts(channels, stage_norm, device, native_ops, request):
     """The images' stage's narrow rows, read by its pointwise backward and by
     the second stage's depthwise backward (as that stage's input times the
-    pointwise terms): on CUDA one kernel each for up to three image channels
-    (four terms), the composed GEMMs for more; within the rule either way. A
-    first width of 16 (a multiple of 8, as the pointwise kernel needs) and
-    12 x 20 first-stage pixels an image (480 rows: the last 64-row tile part
-    empty)."""
+    pointwise terms): on CUDA, for up to three image channels (four terms),
+    one kernel that takes both (the pointwise backward folded into the
+    depthwise one), the composed GEMMs for more; within the rule either way.
+    A first width of 16 (half of the fold's 32-channel slab) and 12 x 20
+    first-stage pixels an image (tiles of 16 x 16 pixels part empty). With
+    stage norms the second stage reads its input, not the rows, and the
+    images' stage's pointwise backward is the narrow kernel of its own (a
+    multiple of 16 channels, 64-row tiles, the last one part empty)."""
     if device == "cuda":
         request.getfixturevalue("cuda_kernels")
     config = dataclasses.replace(
@@ -77,6 +81,7 @@ def test_gradients_for_other_image_channel_counts(channels, device, native_ops, 
         embed_dim=24,
         stage_widths=(16, 24),
         strides=(2, 2),
+        stage_norm=stage_norm,
     )
     images = torch.randint(0, 256, (2, channels, 24, 40), dtype=torch.uint8)
     model = VisualTokenizer(config, seed=0)

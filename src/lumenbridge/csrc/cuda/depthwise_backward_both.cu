@@ -149,60 +149,46 @@ struct FoldTarget {
   int cin;
 };
 
-// One tile's share of the narrow stage's pointwise backward (FOLD), warp
-// `warp` taking G's rows 32 warp .. 32 warp + 31. Row m = 32 p + u of G is
-// the pixel slot p of the threads u * 8 .. u * 8 + 7 (`g_row(m, k)`: its
-// channels 8k .. 8k + 7, 16 bytes), whose rows entry is `rows_row(m)` and
-// whose place in the image `pixel_of(m, y, x)` gives (false past the image).
-// `pointwise` holds the slab's terms [32][kRowTerms] in float (exact in T);
-// `slab_image` is slab * N + image, the tile's [cin, H, W] plane of g_d.
-template <typename T, typename GRow, typename RowsRow, typename PixelOf>
-__device__ __forceinline__ void fold_tile(const float (*pointwise)[kRowTerms], float (&weight_sums)[2][4],
-                                          const FoldTarget& fold, int64_t slab_image, int H, int W, int warp,
-                                          int lane, GRow&& g_row, RowsRow&& rows_row, PixelOf&& pixel_of) {
-  const int g = lane / 4, t = lane % 4, matrix = lane / 8, matrix_row = lane % 8;
-  // g_d's B operand per 16 channels s: W[c][j] at k = c, n = j (zero for j >= cin).
-  uint32_t w[2][2];
+// One tile's share of the narrow stage's pointwise backward (FOLD). Warp w
+// takes G's 32 rows of pixel slot w; row 8r + i is the slot of the threads
+// (8r + i) * 8 .. + 7: `g_row(r, i, k)` its channels 8k .. 8k + 7 (16
+// bytes), `rows_row(r, i)` its rows entry, and `pixel(r, i, offset)` its
+// offset in an H x W plane (false past the image). `planes` is this lane's
+// first g_d plane (j = 2t) of the tile's image and slab, the next one
+// `plane_size` further; `weights` this lane's part of g_d's B operand
+// (fold_weights). Every address is a shift and an add from (r, i) and the
+// tile's origin, so the fold costs a few dozen instructions a thread a tile.
+template <typename T, typename GRow, typename RowsRow, typename Pixel>
+__device__ __forceinline__ void fold_tile(const uint4& weights, float (&weight_sums)[2][4], bool first_plane,
+                                          bool second_plane, float* planes, unsigned plane_size, unsigned lane,
+                                          GRow&& g_row, RowsRow&& rows_row, Pixel&& pixel) {
+  const unsigned g = lane / 4, matrix = lane / 8, matrix_row = lane % 8;
+  const uint32_t w[2][2] = {{weights.x, weights.y}, {weights.z, weights.w}};
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int c = 16 * s + 8 * half + 2 * t;
-      w[s][half] = g < fold.cin ? pack2<T>(pointwise[c][g], pointwise[c + 1][g]) : 0u;
-    }
-  }
-#pragma unroll
-  for (int block = 0; block < 2; ++block) {
-    const int m0 = 32 * warp + 16 * block;
-    // g_d: A = G's 16 rows (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
+  for (unsigned block = 0; block < 2; ++block) {
+    // g_d: A = G's 16 rows 2 block .. (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
     float gd[4] = {};
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (unsigned s = 0; s < 2; ++s) {
       uint32_t a[4];
-      fused::ldmatrix_x4(a, g_row(m0 + (matrix % 2) * 8 + matrix_row, 2 * s + matrix / 2));
+      fused::ldmatrix_x4(a, g_row(2 * block + matrix % 2, matrix_row, 2 * s + matrix / 2));
       fused::mma_16816<T>(gd, a, w[s][0], w[s][1]);
     }
-    // gd[0], gd[1]: row m0 + g, j = 2t, 2t + 1; gd[2], gd[3]: row m0 + g + 8.
+    // gd[0], gd[1]: row 16 block + g, j = 2t, 2t + 1; gd[2], gd[3]: 8 rows on.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      int y, x;
-      if (!pixel_of(m0 + g + 8 * half, y, x)) continue;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = 2 * t + e;
-        if (j < fold.cin) {
-          fold.grad_depthwise[((slab_image * fold.cin + j) * H + y) * static_cast<int64_t>(W) + x] =
-              gd[2 * half + e];
-        }
-      }
+    for (unsigned half = 0; half < 2; ++half) {
+      unsigned offset;
+      if (!pixel(2 * block + half, g, offset)) continue;
+      if (first_plane) planes[offset] = gd[2 * half];
+      if (second_plane) planes[offset + plane_size] = gd[2 * half + 1];
     }
     // The weight sums: A = G^T (16 channels x these 16 rows), B = the rows.
     uint32_t b[2];
-    fused::ldmatrix_x2_trans(b, rows_row(m0 + lane % 16));
+    fused::ldmatrix_x2_trans(b, rows_row(2 * block + lane % 16 / 8, lane % 8));
 #pragma unroll
-    for (int cb = 0; cb < 2; ++cb) {
+    for (unsigned cb = 0; cb < 2; ++cb) {
       uint32_t a[4];
-      fused::ldmatrix_x4_trans(a, g_row(m0 + (matrix / 2) * 8 + matrix_row, 2 * cb + matrix % 2));
+      fused::ldmatrix_x4_trans(a, g_row(2 * block + matrix / 2, matrix_row, 2 * cb + matrix % 2));
       fused::mma_16816<T>(weight_sums[cb], a, b[0], b[1]);
     }
   }
@@ -257,6 +243,10 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
   __shared__ __align__(16) float pointwise[FROM_ROWS ? Tile::kSlab : 1][kRowTerms];
   __shared__ __align__(16) Vec<T, L> own_pre[FROM_ROWS ? 4 * R : 1][FROM_ROWS ? Tile::kThreads : 1];
+  // FOLD: each lane's part of g_d's B operand, W[c][j] at k = c, n = j (per
+  // 16 channels s, rows 2t, 2t + 1 then 2t + 8, 2t + 9 of column g; zero for
+  // j >= cin or c >= C).
+  __shared__ __align__(16) uint4 fold_weights[FOLD ? 32 : 1];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
   const int lane_c = tid % Tile::kChannelThreads;
@@ -276,6 +266,19 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       const int ch = k / kRowTerms, j = k % kRowTerms;
       pointwise[ch][j] =
           c0 + ch < C && j < source.terms ? static_cast<float>(source.pointwise[(c0 + ch) * source.terms + j]) : 0.0f;
+    }
+  }
+
+  if constexpr (FOLD) {
+    if (tid < 32) {
+      const int g = tid / 4, t = tid % 4;
+      const auto w_at = [&](int ch) {
+        return c0 + ch < C && g < fold.cin ? static_cast<float>(source.pointwise[(c0 + ch) * source.terms + g]) : 0.0f;
+      };
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = pack2<T>(w_at(8 * i + 2 * t), w_at(8 * i + 2 * t + 1));
+      fold_weights[tid] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 
@@ -398,32 +401,30 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
     }
     if constexpr (FOLD) {
       __syncthreads();  // every thread's g is in own_pre
-      const T* g_tile = own_pre[0][0].v;
-      // Row m of G: pixel slot p = m / 32 of the threads u * 8 .. u * 8 + 7, u = m % 32
-      // (quad column u % 8, quad rows 2 (u / 8) + q with p = 4 q + 2 py + px).
-      const auto place = [](int m, int& la, int& py, int& px, int& quad_column) {
-        const int p = m / 32, u = m % 32;
-        quad_column = u % Tile::kOutW;
-        la = u / Tile::kOutW * R + p / 4;
-        py = p / 2 % 2;
-        px = p % 2;
-      };
+      // This warp's pixel slot p = 4 q + 2 py + px: its row u is quad column
+      // u % 8 of quad row (u / 8) R + q, pixel (y0 + 2 R (u / 8), x0 + 2 (u % 8)).
+      static_assert(Tile::kWarps == 4 * R, "a warp a pixel slot");
+      const unsigned p = tid / 32, q = p / 4, py = p / 2 % 2, px = p % 2;
+      const T* const g_slot = own_pre[p][0].v;
+      const T* const rows = tile + Tile::kPreAt + ((2 * q + py) * Pre::kRowPixels + Pre::column(px)) * Pre::kSlab;
+      const unsigned y0 = 2 * (t.digit[1] * Tile::kOutH + q) + py, x0 = 2 * t.digit[0] * Tile::kOutW + px;
+      const unsigned plane_size = static_cast<unsigned>(H) * static_cast<unsigned>(W);
+      const unsigned lane = tid % 32, first = 2 * (lane % 4);  // this lane's g_d planes: first, first + 1
+      float* planes = fold.grad_depthwise +
+                      (static_cast<int64_t>(blockIdx.y) * fold.images + t.digit[2]) * fold.cin * plane_size +
+                      first * plane_size;
+      // Once a tile: left to itself the compiler recomputes this 64-bit
+      // address inside each store's branch (about 20 instructions a store).
+      asm volatile("" : "+l"(planes));
       fold_tile<T>(
-          pointwise, fold_sums, fold, static_cast<int64_t>(blockIdx.y) * fold.images + t.digit[2], H, W, tid / 32,
-          tid % 32,
-          [&](int m, int k) { return g_tile + ((m / 32) * Tile::kThreads + 8 * (m % 32) + 2 * k) * L; },
-          [&](int m) {
-            int la, py, px, quad_column;
-            place(m, la, py, px, quad_column);
-            const int pixel = (2 * la + py) * Pre::kRowPixels + Pre::column(2 * quad_column + px);
-            return tile + Tile::kPreAt + pixel * Pre::kSlab;
-          },
-          [&](int m, int& y, int& x) {
-            int la, py, px, quad_column;
-            place(m, la, py, px, quad_column);
-            y = 2 * (t.digit[1] * Tile::kOutH + la) + py;
-            x = 2 * (t.digit[0] * Tile::kOutW + quad_column) + px;
-            return y < H && x < W;
+          fold_weights[lane], fold_sums, static_cast<int>(first) < fold.cin, static_cast<int>(first) + 1 < fold.cin,
+          planes, plane_size, lane,
+          [&](unsigned r, unsigned i, unsigned k) { return g_slot + (8 * (8 * r + i) + 2 * k) * L; },
+          [&](unsigned r, unsigned i) { return rows + (r * 2 * R * Pre::kRowPixels + i) * Pre::kSlab; },
+          [&](unsigned r, unsigned i, unsigned& offset) {
+            const unsigned y = y0 + 2 * R * r, x = x0 + 2 * i;
+            offset = y * static_cast<unsigned>(W) + x;
+            return y < static_cast<unsigned>(H) && x < static_cast<unsigned>(W);
           });
     }
   };
@@ -439,6 +440,19 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
     static_assert(sizeof(own_pre) >= sizeof(float) * Tile::kWarps * 8 * 32, "the fold's block sums fit own_pre");
     store_fold_partials<Tile::kWarps>(fold_sums, reinterpret_cast<float*>(own_pre), tid, c0, C, chunk, chunks, fold);
   }
+}
+
+// g_d from the slabs' shares [slabs, count]: their sum in slab order,
+// rounded to T as a GEMM's output. One pass (ATen's sum, then a conversion,
+// took 65 us at B = 256 for lumenbridge-base on the H200).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    sum_slab_shares_kernel(const float* __restrict__ shares, int64_t count, int slabs, T* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= count) return;
+  float total = 0.0f;
+  for (int s = 0; s < slabs; ++s) total += shares[s * count + i];
+  out[i] = static_cast<T>(total);
 }
 
 // The kernel instance for an activation: GELU_PAIRS for GELU in half types.
@@ -486,7 +500,11 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                                      const at::Tensor& values, const at::Tensor& pointwise,
                                      const DepthwiseProblem& p, Activation activation, bool fold) {
   if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return std::nullopt;
-  if (fold && (!FROM_ROWS || grad_output.scalar_type() == at::kFloat)) return std::nullopt;
+  // The fold: half types (the tensor cores), an image's g_d planes in 32-bit offsets.
+  if (fold && (!FROM_ROWS || grad_output.scalar_type() == at::kFloat ||
+               pointwise.size(1) * p.H * p.W > std::numeric_limits<int32_t>::max())) {
+    return std::nullopt;
+  }
   check_extents_fit_int(p);
   const c10::cuda::CUDAGuard guard(values.device());
   TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
@@ -544,8 +562,12 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                           {out.folded.weight.mutable_data_ptr<T>(), out.folded.bias.mutable_data_ptr<T>(),
                            target.cin, 1},
                           stream);
-          // The slabs' shares in a fixed order (an ATen reduction), then rounded as a GEMM's output.
-          out.folded.grad_depthwise = fold_shares.sum(0).to(grad_output.scalar_type());
+          out.folded.grad_depthwise = new_output({p.N, cin, p.H, p.W}, options, at::MemoryFormat::Contiguous);
+          const int64_t count = out.folded.grad_depthwise.numel();
+          sum_slab_shares_kernel<T><<<grid_x(ceil_div64(count, kThreads)), kThreads, 0, stream>>>(
+              fold_shares.const_data_ptr<float>(), count, static_cast<int>(slabs),
+              out.folded.grad_depthwise.mutable_data_ptr<T>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
         result = std::move(out);
       }

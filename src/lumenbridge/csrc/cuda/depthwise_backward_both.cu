@@ -29,9 +29,10 @@
 //   sum_m g[m, c] rows[m, j]             j <= cin: the weight, then the bias
 //                                         (the rows' ones column)
 // Each thread leaves its g in its own slots of the tile (where the slope
-// waited for the stores); after one more barrier the warps read the tile as
-// a [256 pixels, 32 channels] matrix G (fold_tile). The weight sums follow
-// the depthwise ones: per block in registers, then the fixed-order pass 2.
+// waited for the stores), and each warp, with no barrier, reads the 32
+// pixels its threads hold as rows of a matrix G [pixels, 32 channels]
+// (fold_warp). The weight sums follow the depthwise ones: per block in
+// registers, then the fixed-order pass 2.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../activated_depthwise.h"
@@ -149,46 +150,46 @@ struct FoldTarget {
   int cin;
 };
 
-// One tile's share of the narrow stage's pointwise backward (FOLD). Warp w
-// takes G's 32 rows of pixel slot w; row 8r + i is the slot of the threads
-// (8r + i) * 8 .. + 7: `g_row(r, i, k)` its channels 8k .. 8k + 7 (16
-// bytes), `rows_row(r, i)` its rows entry, and `pixel(r, i, offset)` its
-// offset in an H x W plane (false past the image). `planes` is this lane's
-// first g_d plane (j = 2t) of the tile's image and slab, the next one
-// `plane_size` further; `weights` this lane's part of g_d's B operand
-// (fold_weights). Every address is a shift and an add from (r, i) and the
-// tile's origin, so the fold costs a few dozen instructions a thread a tile.
+// One warp's share of a tile's narrow-stage pointwise backward (FOLD): the
+// 32 pixels whose gradients its own threads hold, as G's rows i = 0 .. 31:
+// `g_row(i, k)` row i's channels 8k .. 8k + 7 (16 bytes), `rows_row(i)` its
+// rows entry, and `pixel(i, offset)` its offset in an H x W plane (false
+// past the image). `planes` is this lane's first g_d plane (j = 2t) of the
+// tile's image and slab, the next one `plane_size` further; `weights` this
+// lane's part of g_d's B operand (fold_weights). No barrier: each warp folds
+// its own pixels as soon as it has their gradients.
 template <typename T, typename GRow, typename RowsRow, typename Pixel>
-__device__ __forceinline__ void fold_tile(const uint4& weights, float (&weight_sums)[2][4], bool first_plane,
+__device__ __forceinline__ void fold_warp(const uint4& weights, float (&weight_sums)[2][4], bool first_plane,
                                           bool second_plane, float* planes, unsigned plane_size, unsigned lane,
                                           GRow&& g_row, RowsRow&& rows_row, Pixel&& pixel) {
   const unsigned g = lane / 4, matrix = lane / 8, matrix_row = lane % 8;
   const uint32_t w[2][2] = {{weights.x, weights.y}, {weights.z, weights.w}};
 #pragma unroll
   for (unsigned block = 0; block < 2; ++block) {
-    // g_d: A = G's 16 rows 2 block .. (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
+    const unsigned i0 = 16 * block;
+    // g_d: A = G's 16 rows (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
     float gd[4] = {};
 #pragma unroll
     for (unsigned s = 0; s < 2; ++s) {
       uint32_t a[4];
-      fused::ldmatrix_x4(a, g_row(2 * block + matrix % 2, matrix_row, 2 * s + matrix / 2));
+      fused::ldmatrix_x4(a, g_row(i0 + (matrix % 2) * 8 + matrix_row, 2 * s + matrix / 2));
       fused::mma_16816<T>(gd, a, w[s][0], w[s][1]);
     }
-    // gd[0], gd[1]: row 16 block + g, j = 2t, 2t + 1; gd[2], gd[3]: 8 rows on.
+    // gd[0], gd[1]: row i0 + g, j = 2t, 2t + 1; gd[2], gd[3]: 8 rows on.
 #pragma unroll
     for (unsigned half = 0; half < 2; ++half) {
       unsigned offset;
-      if (!pixel(2 * block + half, g, offset)) continue;
+      if (!pixel(i0 + 8 * half + g, offset)) continue;
       if (first_plane) planes[offset] = gd[2 * half];
       if (second_plane) planes[offset + plane_size] = gd[2 * half + 1];
     }
     // The weight sums: A = G^T (16 channels x these 16 rows), B = the rows.
     uint32_t b[2];
-    fused::ldmatrix_x2_trans(b, rows_row(2 * block + lane % 16 / 8, lane % 8));
+    fused::ldmatrix_x2_trans(b, rows_row(i0 + lane % 16));
 #pragma unroll
     for (unsigned cb = 0; cb < 2; ++cb) {
       uint32_t a[4];
-      fused::ldmatrix_x4_trans(a, g_row(2 * block + matrix / 2, matrix_row, 2 * cb + matrix % 2));
+      fused::ldmatrix_x4_trans(a, g_row(i0 + (matrix / 2) * 8 + matrix_row, 2 * cb + matrix % 2));
       fused::mma_16816<T>(weight_sums[cb], a, b[0], b[1]);
     }
   }
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
         }
       }
       if constexpr (FOLD) {
-        // g into this thread's own slots (zero past the image) for fold_tile.
+        // g into this thread's own slots (zero past the image) for fold_warp.
 #pragma unroll
         for (int py = 0; py < 2; ++py) {
 #pragma unroll
@@ -400,29 +401,36 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       }
     }
     if constexpr (FOLD) {
-      __syncthreads();  // every thread's g is in own_pre
-      // This warp's pixel slot p = 4 q + 2 py + px: its row u is quad column
-      // u % 8 of quad row (u / 8) R + q, pixel (y0 + 2 R (u / 8), x0 + 2 (u % 8)).
-      static_assert(Tile::kWarps == 4 * R, "a warp a pixel slot");
-      const unsigned p = tid / 32, q = p / 4, py = p / 2 % 2, px = p % 2;
-      const T* const g_slot = own_pre[p][0].v;
-      const T* const rows = tile + Tile::kPreAt + ((2 * q + py) * Pre::kRowPixels + Pre::column(px)) * Pre::kSlab;
-      const unsigned y0 = 2 * (t.digit[1] * Tile::kOutH + q) + py, x0 = 2 * t.digit[0] * Tile::kOutW + px;
+      // Warp w's threads 8u + lane_c (u = 4w .. 4w + 3) hold its 32 pixels
+      // in their own slots: G's row i is slot p = i / 4 of u = 4w + i % 4,
+      // quad column u % 8 of quad row 2 (w / 2) + p / 4, pixel (p / 2 % 2,
+      // p % 2) of the quad.
+      __syncwarp();
+      const unsigned warp = tid / 32, lane = tid % 32;
+      const unsigned u0 = 4 * warp, quad_row = R * (u0 / Tile::kOutW), column0 = u0 % Tile::kOutW;
+      const T* const g_slots = own_pre[0][0].v + Tile::kChannelThreads * u0 * L;
       const unsigned plane_size = static_cast<unsigned>(H) * static_cast<unsigned>(W);
-      const unsigned lane = tid % 32, first = 2 * (lane % 4);  // this lane's g_d planes: first, first + 1
+      const unsigned first = 2 * (lane % 4);  // this lane's g_d planes: first, first + 1
       float* planes = fold.grad_depthwise +
                       (static_cast<int64_t>(blockIdx.y) * fold.images + t.digit[2]) * fold.cin * plane_size +
                       first * plane_size;
       // Once a tile: left to itself the compiler recomputes this 64-bit
       // address inside each store's branch (about 20 instructions a store).
       asm volatile("" : "+l"(planes));
-      fold_tile<T>(
+      const unsigned y0 = 2 * (t.digit[1] * Tile::kOutH + quad_row), x0 = 2 * (t.digit[0] * Tile::kOutW + column0);
+      fold_warp<T>(
           fold_weights[lane], fold_sums, static_cast<int>(first) < fold.cin, static_cast<int>(first) + 1 < fold.cin,
           planes, plane_size, lane,
-          [&](unsigned r, unsigned i, unsigned k) { return g_slot + (8 * (8 * r + i) + 2 * k) * L; },
-          [&](unsigned r, unsigned i) { return rows + (r * 2 * R * Pre::kRowPixels + i) * Pre::kSlab; },
-          [&](unsigned r, unsigned i, unsigned& offset) {
-            const unsigned y = y0 + 2 * R * r, x = x0 + 2 * i;
+          [&](unsigned i, unsigned k) {
+            return g_slots + ((i / 4) * Tile::kThreads + Tile::kChannelThreads * (i % 4) + 2 * k) * L;
+          },
+          [&](unsigned i) {
+            const unsigned p = i / 4, row = 2 * (quad_row + p / 4) + p / 2 % 2;
+            const unsigned column = Pre::column(2 * (column0 + i % 4) + p % 2);
+            return tile + Tile::kPreAt + (row * Pre::kRowPixels + column) * Pre::kSlab;
+          },
+          [&](unsigned i, unsigned& offset) {
+            const unsigned p = i / 4, y = y0 + 2 * (p / 4) + p / 2 % 2, x = x0 + 2 * (i % 4) + p % 2;
             offset = y * static_cast<unsigned>(W) + x;
             return y < static_cast<unsigned>(H) && x < static_cast<unsigned>(W);
           });
@@ -443,16 +451,32 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 }
 
 // g_d from the slabs' shares [slabs, count]: their sum in slab order,
-// rounded to T as a GEMM's output. One pass (ATen's sum, then a conversion,
-// took 65 us at B = 256 for lumenbridge-base on the H200).
+// rounded to T as a GEMM's output; four elements a thread, 16-byte loads
+// where count allows.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     sum_slab_shares_kernel(const float* __restrict__ shares, int64_t count, int slabs, T* __restrict__ out) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t i = 4 * (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
   if (i >= count) return;
-  float total = 0.0f;
-  for (int s = 0; s < slabs; ++s) total += shares[s * count + i];
-  out[i] = static_cast<T>(total);
+  if (count % 4 == 0) {
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < slabs; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(shares + s * count + i);
+      total = make_float4(total.x + v.x, total.y + v.y, total.z + v.z, total.w + v.w);
+    }
+    Vec<T, 4> rounded;
+    rounded.v[0] = static_cast<T>(total.x);
+    rounded.v[1] = static_cast<T>(total.y);
+    rounded.v[2] = static_cast<T>(total.z);
+    rounded.v[3] = static_cast<T>(total.w);
+    store_vec<T, 4>(out + i, rounded);
+    return;
+  }
+  for (int64_t k = i; k < i + 4 && k < count; ++k) {
+    float total = 0.0f;
+    for (int s = 0; s < slabs; ++s) total += shares[s * count + k];
+    out[k] = static_cast<T>(total);
+  }
 }
 
 // The kernel instance for an activation: GELU_PAIRS for GELU in half types.
@@ -564,7 +588,7 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                           stream);
           out.folded.grad_depthwise = new_output({p.N, cin, p.H, p.W}, options, at::MemoryFormat::Contiguous);
           const int64_t count = out.folded.grad_depthwise.numel();
-          sum_slab_shares_kernel<T><<<grid_x(ceil_div64(count, kThreads)), kThreads, 0, stream>>>(
+          sum_slab_shares_kernel<T><<<grid_x(ceil_div64(count, 4 * kThreads)), kThreads, 0, stream>>>(
               fold_shares.const_data_ptr<float>(), count, static_cast<int>(slabs),
               out.folded.grad_depthwise.mutable_data_ptr<T>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();

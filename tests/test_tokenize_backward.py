@@ -66,8 +66,9 @@ def test_gradients_for_other_image_channel_counts(channels, stage_norm, device, 
     pointwise terms): on CUDA, for up to three image channels (four terms),
     one kernel that takes both (the pointwise backward folded into the
     depthwise one), the composed GEMMs for more; within the rule either way.
-    A first width of 16 (half of the fold's 32-channel slab) and 12 x 20
-    first-stage pixels an image (tiles of 16 x 16 pixels part empty). With
+    A first width of 48 (the fold's 32-channel slabs, the second half empty)
+    and 12 x 20 first-stage pixels an image (tiles of 16 x 16 pixels part
+    empty). With
     stage norms the second stage reads its input, not the rows, and the
     images' stage's pointwise backward is the narrow kernel of its own (a
     multiple of 16 channels, 64-row tiles, the last one part empty)."""
@@ -79,7 +80,7 @@ def test_gradients_for_other_image_channel_counts(channels, stage_norm, device, 
         mean=(0.45,) * channels,
         std=(0.25,) * channels,
         embed_dim=24,
-        stage_widths=(16, 24),
+        stage_widths=(48, 24),
         strides=(2, 2),
         stage_norm=stage_norm,
     )
@@ -183,7 +184,7 @@ def all_gradients(model, images):
     return grads + ([images.grad.clone()] if images.requires_grad else [])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device", device_params())
 def test_gradients_are_bitwise_deterministic(device, dtype, native_ops):
     for name in ("base-float-channels-last", "layernorm-stages", "batch-64"):

@@ -221,11 +221,14 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
   const TokenizeStage& s = p.stages[i];
   const DepthwiseProblem dw = stage_depthwise_problem(p, i, depthwise_layout(s));
   at::Tensor g_d;
+  // Each tensor is released after its last use: the largest stage inputs and
+  // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
   if (handed.of_depthwise) {
     g_d = std::move(handed.grad);
   } else {
     AffineGrads norm = stage_norm_backward(handed.grad, output, s, p, mask.parameters, kernels);
     handed.grad.reset();
+    output.reset();
     if (mask.parameters && p.stage_norm != StageNorm::NONE) {
       grads.norm_weights[i] = norm.weight;
       grads.norm_biases[i] = norm.bias;
@@ -239,9 +242,6 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
     }
     g_d = std::move(pointwise.grad_depthwise);
   }
-  // Each tensor is released after its last use: the largest stage inputs and
-  // gradients (112 x 112 x 96 for the presets) would otherwise overlap.
-  output.reset();
   depthwise.reset();
   if (i == 0) {
     // No activation before the images' stage: its input gradient needs no input.

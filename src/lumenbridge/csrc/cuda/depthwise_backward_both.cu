@@ -28,8 +28,8 @@
 //   g_d[m, j] = sum_c g[m, c] W[c, j]    j < cin, each slab's share in float
 //   sum_m g[m, c] rows[m, j]             j <= cin: the weight, then the bias
 //                                         (the rows' ones column)
-// Each thread leaves its g in its own slots of the tile (where the slope
-// waited for the stores), and each warp, with no barrier, reads the 32
+// Each thread leaves its g in its own shared slots (where the slope waited
+// for the stores), and each warp, with no barrier, reads the 32
 // pixels its threads hold as rows of a matrix G [pixels, 32 channels]
 // (fold_warp). The weight sums follow the depthwise ones: per block in
 // registers, then the fixed-order pass 2.
@@ -74,12 +74,15 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr size_t kReduceBytes = sizeof(float) * kWarps * kSums * kSlab;
   static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
   // Beside the dynamic buffers: the taps in float, and where FROM_ROWS the
-  // pointwise terms in float and each thread's pre values at its pixels
-  // (computed before the visit, read again by the slope at the store).
+  // pointwise terms in float, each thread's own slots at its pixels (pre,
+  // computed before the visit; then, in the GELU_PAIRS and FOLD instances,
+  // the slope and the gradient; after the pipeline, the fold's block sums)
+  // and, for the fold in half types, g_d's B operand (fold_weights).
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
   static constexpr size_t kFromRowsBytes =
       FROM_ROWS ? sizeof(float) * kSlab * kRowTerms + sizeof(T) * 4 * kRows * kLane * kThreads : 0;
-  static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes + kFromRowsBytes;
+  static constexpr size_t kFoldBytes = FROM_ROWS && sizeof(T) == 2 ? sizeof(uint4) * 32 : 0;
+  static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes + kFromRowsBytes + kFoldBytes;
   // Where a thread's K * K + 1 sums of four channels would not fit in
   // registers beside the input gradient's work (K = 7: 200), or the window
   // not in an sm_90 block, the two kernels run instead; so they do on a
@@ -243,7 +246,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
   __shared__ __align__(16) float pointwise[FROM_ROWS ? Tile::kSlab : 1][kRowTerms];
-  __shared__ __align__(16) Vec<T, L> own_pre[FROM_ROWS ? 4 * R : 1][FROM_ROWS ? Tile::kThreads : 1];
+  __shared__ __align__(16) Vec<T, L> own_slots[FROM_ROWS ? 4 * R : 1][FROM_ROWS ? Tile::kThreads : 1];
   // FOLD: each lane's part of g_d's B operand, W[c][j] at k = c, n = j (per
   // 16 channels s, rows 2t, 2t + 1 then 2t + 8, 2t + 9 of column g; zero for
   // j >= cin or c >= C).
@@ -333,21 +336,23 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
           for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], static_cast<float>(row.v[j]), sum);
           value.v[e] = static_cast<T>(sum);
         }
-        own_pre[p][tid] = value;
+        own_slots[p][tid] = value;
       }
     }
     // A row at a time: unrolled, both rows' pixels stay live and the sums spill.
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      // This thread's pre (or, with GELU_PAIRS once x is computed, the slope) at a pixel.
+      // This thread's pre at a pixel (with GELU_PAIRS, once x is computed, the
+      // slope; with FOLD, after the stores' scaling, the gradient).
       const auto own_slot = [&](int py, int px) -> Vec<T, L>& {
         if constexpr (FROM_ROWS) {
-          return own_pre[4 * q + 2 * py + px][tid];
+          return own_slots[4 * q + 2 * py + px][tid];
         } else {
           return *reinterpret_cast<Vec<T, L>*>(window_pixel(la, py, px) + lane_c * L);
         }
       };
+      // Its value, by copy (through the reference the compiler orders the loads differently).
       const auto pre_at = [&](int py, int px) { return own_slot(py, px); };
       float x[2][2][L];
 #pragma unroll
@@ -408,7 +413,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       __syncwarp();
       const unsigned warp = tid / 32, lane = tid % 32;
       const unsigned u0 = 4 * warp, quad_row = R * (u0 / Tile::kOutW), column0 = u0 % Tile::kOutW;
-      const T* const g_slots = own_pre[0][0].v + Tile::kChannelThreads * u0 * L;
+      const T* const g_slots = own_slots[0][0].v + Tile::kChannelThreads * u0 * L;
       const unsigned plane_size = static_cast<unsigned>(H) * static_cast<unsigned>(W);
       const unsigned first = 2 * (lane % 4);  // this lane's g_d planes: first, first + 1
       float* planes = fold.grad_depthwise +
@@ -445,8 +450,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   store_slab_partials<Tile::kWarps>(sums, reinterpret_cast<float*>(shared_bytes), tid, c0, C, chunk, chunks,
                                     partials, [] { __syncthreads(); });
   if constexpr (FOLD) {
-    static_assert(sizeof(own_pre) >= sizeof(float) * Tile::kWarps * 8 * 32, "the fold's block sums fit own_pre");
-    store_fold_partials<Tile::kWarps>(fold_sums, reinterpret_cast<float*>(own_pre), tid, c0, C, chunk, chunks, fold);
+    static_assert(sizeof(own_slots) >= sizeof(float) * Tile::kWarps * 8 * 32, "the fold's block sums fit own_slots");
+    store_fold_partials<Tile::kWarps>(fold_sums, reinterpret_cast<float*>(own_slots), tid, c0, C, chunk, chunks, fold);
   }
 }
 
@@ -490,13 +495,12 @@ auto both_kernel(Activation activation) {
 template <typename T, int K, bool FROM_ROWS>
 void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const PreSource<T>& source,
                  Activation activation, T* grad_input, float* partials, const FoldTarget& fold,
-                 const WorkSplit& split, const DepthwiseProblem& p, cudaStream_t stream) {
+                 const WorkSplit& split, int64_t slabs, const DepthwiseProblem& p, cudaStream_t stream) {
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
   constexpr bool kFoldable = FROM_ROWS && !std::is_same_v<T, float>;
   const auto kernel = fold.partials != nullptr ? both_kernel<T, K, FROM_ROWS, kFoldable>(activation)
                                                : both_kernel<T, K, FROM_ROWS, false>(activation);
   allow_shared_bytes(kernel, Tile::kSharedBytes);
-  const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
   const bool vector_stores = grad_input != nullptr && vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
   kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads, Tile::kSharedBytes,
@@ -523,10 +527,11 @@ template <bool FROM_ROWS>
 std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Tensor& weight,
                                      const at::Tensor& values, const at::Tensor& pointwise,
                                      const DepthwiseProblem& p, Activation activation, bool fold) {
+  if constexpr (!FROM_ROWS) TORCH_INTERNAL_ASSERT(!fold, "the fold reads the rows");
   if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return std::nullopt;
   // The fold: half types (the tensor cores), an image's g_d planes in 32-bit offsets.
-  if (fold && (!FROM_ROWS || grad_output.scalar_type() == at::kFloat ||
-               pointwise.size(1) * p.H * p.W > std::numeric_limits<int32_t>::max())) {
+  const int64_t cin = FROM_ROWS ? pointwise.size(1) - 1 : 0;
+  if (fold && (grad_output.scalar_type() == at::kFloat || cin * p.H * p.W > std::numeric_limits<int32_t>::max())) {
     return std::nullopt;
   }
   check_extents_fit_int(p);
@@ -550,16 +555,16 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
       if constexpr (Tile::kCovered) {
         if (Tile::kBlockBytes > max_shared_bytes_per_block()) return;
         OnePassGrads out;
-        const WorkSplit split = split_work<Tile>(p, ceil_div64(p.C, Tile::kSlab), kNhwcBlocks);
         const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
+        const WorkSplit split = split_work<Tile>(p, slabs, kNhwcBlocks);
         at::Tensor partials = at::empty({p.C, split.chunks, Tile::kSums}, options.dtype(at::kFloat));
         FoldTarget target{};
         at::Tensor fold_shares, fold_partials;
         if (fold) {
-          target.cin = static_cast<int>(pointwise.size(1)) - 1;
+          target.cin = static_cast<int>(cin);
           target.images = p.N;
-          fold_shares = at::empty({slabs, p.N, target.cin, p.H, p.W}, options.dtype(at::kFloat));
-          fold_partials = at::empty({p.C, split.chunks, target.cin + 1}, options.dtype(at::kFloat));
+          fold_shares = at::empty({slabs, p.N, cin, p.H, p.W}, options.dtype(at::kFloat));
+          fold_partials = at::empty({p.C, split.chunks, cin + 1}, options.dtype(at::kFloat));
           target.grad_depthwise = fold_shares.mutable_data_ptr<float>();
           target.partials = fold_partials.mutable_data_ptr<float>();
         } else {
@@ -574,12 +579,11 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                                   FROM_ROWS ? static_cast<int>(pointwise.size(1)) : 0};
         launch_both<T, K, FROM_ROWS>(grad_output, weight, source, activation,
                                      fold ? nullptr : out.grad_input.mutable_data_ptr<T>(),
-                                     partials.mutable_data_ptr<float>(), target, split, p, stream);
+                                     partials.mutable_data_ptr<float>(), target, split, slabs, p, stream);
         sum_partials<T>(partials.const_data_ptr<float>(), p.C, split.chunks, Tile::kSums,
                         {out.grad_weight.mutable_data_ptr<T>(), out.grad_bias.mutable_data_ptr<T>(), K * K, 1},
                         stream);
         if (fold) {
-          const int64_t cin = target.cin;
           out.folded.weight = new_output({p.C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
           out.folded.bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
           sum_partials<T>(fold_partials.const_data_ptr<float>(), p.C, split.chunks, target.cin + 1,

@@ -77,11 +77,12 @@ struct BothGradientsTile : NhwcLanes {
   // pointwise terms in float, each thread's own slots at its pixels (pre,
   // computed before the visit; then, in the GELU_PAIRS and FOLD instances,
   // the slope and the gradient; after the pipeline, the fold's block sums)
-  // and, for the fold in half types, g_d's B operand (fold_weights).
+  // and, for the fold in half types, g_d's B operand (fold_weights) and the
+  // threads' fold constants (fold_lanes).
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
   static constexpr size_t kFromRowsBytes =
       FROM_ROWS ? sizeof(float) * kSlab * kRowTerms + sizeof(T) * 4 * kRows * kLane * kThreads : 0;
-  static constexpr size_t kFoldBytes = FROM_ROWS && sizeof(T) == 2 ? sizeof(uint4) * 32 : 0;
+  static constexpr size_t kFoldBytes = FROM_ROWS && sizeof(T) == 2 ? sizeof(uint4) * (32 + kThreads) : 0;
   static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes + kFromRowsBytes + kFoldBytes;
   // Where a thread's K * K + 1 sums of four channels would not fit in
   // registers beside the input gradient's work (K = 7: 200), or the window
@@ -154,48 +155,70 @@ struct FoldTarget {
 };
 
 // One warp's share of a tile's narrow-stage pointwise backward (FOLD): the
-// 32 pixels whose gradients its own threads hold, as G's rows i = 0 .. 31:
-// `g_row(i, k)` row i's channels 8k .. 8k + 7 (16 bytes), `rows_row(i)` its
-// rows entry, and `pixel(i, offset)` its offset in an H x W plane (false
-// past the image). `planes` is this lane's first g_d plane (j = 2t) of the
-// tile's image and slab, the next one `plane_size` further; `weights` this
-// lane's part of g_d's B operand (fold_weights). No barrier: each warp folds
-// its own pixels as soon as it has their gradients.
-template <typename T, typename GRow, typename RowsRow, typename Pixel>
+// 32 pixels whose gradients its own threads hold, as G's rows 0 .. 31 in
+// two blocks of 16. The lane hands ldmatrix `g_rows` (G, block 0's first
+// channels) and `g_cols` (for G^T), blocks G_BLOCK elements apart and the
+// next 16 channels G_STEP on, and `rows` its rows entry (block 1 ROWS_BLOCK
+// on); its g_d row of block b, half h is pixel (y + 2b + h, x) of an H x W
+// plane. `planes` is this lane's first g_d plane (j = 2t) of the tile's
+// image and slab, the next one `plane_size` further; `weights` its part of
+// g_d's B operand (fold_weights). No barrier: each warp folds its own pixels
+// as soon as it has their gradients.
+template <typename T, unsigned G_BLOCK, unsigned G_STEP, unsigned ROWS_BLOCK>
 __device__ __forceinline__ void fold_warp(const uint4& weights, float (&weight_sums)[2][4], bool first_plane,
-                                          bool second_plane, float* planes, unsigned plane_size, unsigned lane,
-                                          GRow&& g_row, RowsRow&& rows_row, Pixel&& pixel) {
-  const unsigned g = lane / 4, matrix = lane / 8, matrix_row = lane % 8;
+                                          bool second_plane, float* planes, unsigned plane_size, const T* g_rows,
+                                          const T* g_cols, const T* rows, unsigned y, unsigned x, unsigned H,
+                                          unsigned W) {
   const uint32_t w[2][2] = {{weights.x, weights.y}, {weights.z, weights.w}};
 #pragma unroll
   for (unsigned block = 0; block < 2; ++block) {
-    const unsigned i0 = 16 * block;
     // g_d: A = G's 16 rows (matrices rows 0-7 / 8-15 by channels 0-7 / 8-15).
     float gd[4] = {};
 #pragma unroll
     for (unsigned s = 0; s < 2; ++s) {
       uint32_t a[4];
-      fused::ldmatrix_x4(a, g_row(i0 + (matrix % 2) * 8 + matrix_row, 2 * s + matrix / 2));
+      fused::ldmatrix_x4(a, g_rows + block * G_BLOCK + s * G_STEP);
       fused::mma_16816<T>(gd, a, w[s][0], w[s][1]);
     }
-    // gd[0], gd[1]: row i0 + g, j = 2t, 2t + 1; gd[2], gd[3]: 8 rows on.
+    // gd[0], gd[1]: this lane's row (half 0), j = 2t, 2t + 1; gd[2], gd[3]: 8 rows on (half 1).
 #pragma unroll
     for (unsigned half = 0; half < 2; ++half) {
-      unsigned offset;
-      if (!pixel(i0 + 8 * half + g, offset)) continue;
+      const unsigned row = y + 2 * block + half;
+      if (row >= H || x >= W) continue;
+      const unsigned offset = row * W + x;
       if (first_plane) planes[offset] = gd[2 * half];
       if (second_plane) planes[offset + plane_size] = gd[2 * half + 1];
     }
     // The weight sums: A = G^T (16 channels x these 16 rows), B = the rows.
     uint32_t b[2];
-    fused::ldmatrix_x2_trans(b, rows_row(i0 + lane % 16));
+    fused::ldmatrix_x2_trans(b, rows + block * ROWS_BLOCK);
 #pragma unroll
     for (unsigned cb = 0; cb < 2; ++cb) {
       uint32_t a[4];
-      fused::ldmatrix_x4_trans(a, g_row(i0 + (matrix / 2) * 8 + matrix_row, 2 * cb + matrix % 2));
+      fused::ldmatrix_x4_trans(a, g_cols + block * G_BLOCK + cb * G_STEP);
       fused::mma_16816<T>(weight_sums[cb], a, b[0], b[1]);
     }
   }
+}
+
+// Thread tid's constants in fold_warp, in element offsets: x, y the rows of
+// G it hands ldmatrix for G and G^T (block 0, channels 0 .. 15) in own_slots,
+// z its rows entry in a tile's rows window, w its g_d pixel's column from
+// its warp's first pixel. Warp w's threads 8u + lane_c (u = 4w .. 4w + 3)
+// hold its 32 pixels in their own slots: G's row i is slot p = i / 4 of
+// u = 4w + i % 4, i.e. quad column u % 8 of quad row R (u / 8) + p / 4 and
+// pixel (p / 2 % 2, p % 2) of that quad.
+template <typename Tile, typename Pre>
+__device__ uint4 fold_lane(unsigned tid) {
+  constexpr unsigned L = Tile::kLane, R = Tile::kRows;
+  const unsigned lane = tid % 32, u0 = 4 * (tid / 32), matrix = lane / 8, matrix_row = lane % 8;
+  const auto g_row = [&](unsigned i, unsigned k) { return ((i / 4) * Tile::kThreads + 8 * (u0 + i % 4) + 2 * k) * L; };
+  const unsigned i = lane % 16, p = i / 4;  // the rows entry's row of G
+  const unsigned row = 2 * (R * (u0 / Tile::kOutW) + p / 4) + p / 2 % 2;
+  const unsigned column = Pre::column(2 * (u0 % Tile::kOutW + i % 4) + p % 2);
+  const unsigned g = lane / 4;  // g_d's row of G: g (half 0); pixel column 2 (g % 4) + g / 4 of the warp's
+  return make_uint4(g_row((matrix % 2) * 8 + matrix_row, matrix / 2), g_row((matrix / 2) * 8 + matrix_row, matrix % 2),
+                    (row * Pre::kRowPixels + column) * Pre::kSlab, 2 * (g % 4) + g / 4);
 }
 
 // A block's pointwise weight sums (FOLD) as its partials: the warps' mma
@@ -251,6 +274,9 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   // 16 channels s, rows 2t, 2t + 1 then 2t + 8, 2t + 9 of column g; zero for
   // j >= cin or c >= C).
   __shared__ __align__(16) uint4 fold_weights[FOLD ? 32 : 1];
+  // FOLD: each thread's constants in fold_warp (fold_lane), read once a tile
+  // (at the kernel's 128 registers, ptxas would rebuild them every tile).
+  __shared__ __align__(16) uint4 fold_lanes[FOLD ? Tile::kThreads : 1];
   T* const buffers = reinterpret_cast<T*>(shared_bytes);
   const int tid = threadIdx.x;
   const int lane_c = tid % Tile::kChannelThreads;
@@ -274,6 +300,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   }
 
   if constexpr (FOLD) {
+    fold_lanes[tid] = fold_lane<Tile, Pre>(tid);  // read back by this thread alone
     if (tid < 32) {
       const int g = tid / 4, t = tid % 4;
       const auto w_at = [&](int ch) {
@@ -406,39 +433,29 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       }
     }
     if constexpr (FOLD) {
-      // Warp w's threads 8u + lane_c (u = 4w .. 4w + 3) hold its 32 pixels
-      // in their own slots: G's row i is slot p = i / 4 of u = 4w + i % 4,
-      // quad column u % 8 of quad row 2 (w / 2) + p / 4, pixel (p / 2 % 2,
-      // p % 2) of the quad.
-      __syncwarp();
-      const unsigned warp = tid / 32, lane = tid % 32;
-      const unsigned u0 = 4 * warp, quad_row = R * (u0 / Tile::kOutW), column0 = u0 % Tile::kOutW;
-      const T* const g_slots = own_slots[0][0].v + Tile::kChannelThreads * u0 * L;
+      __syncwarp();  // the warp's gradients are in its threads' own slots
       const unsigned plane_size = static_cast<unsigned>(H) * static_cast<unsigned>(W);
-      const unsigned first = 2 * (lane % 4);  // this lane's g_d planes: first, first + 1
+      const uint4 mine = fold_lanes[tid];  // fold_lane's constants
+      const unsigned first = 2 * (tid % 4);  // this lane's g_d planes: first, first + 1
+      // (Lanes with none past cin point at the last plane, never stored to.)
+      const unsigned first_within = min(first, static_cast<unsigned>(fold.cin - 1));
       float* planes = fold.grad_depthwise +
                       (static_cast<int64_t>(blockIdx.y) * fold.images + t.digit[2]) * fold.cin * plane_size +
-                      first * plane_size;
+                      static_cast<int64_t>(first_within) * plane_size;
       // Once a tile: left to itself the compiler recomputes this 64-bit
       // address inside each store's branch (about 20 instructions a store).
       asm volatile("" : "+l"(planes));
-      const unsigned y0 = 2 * (t.digit[1] * Tile::kOutH + quad_row), x0 = 2 * (t.digit[0] * Tile::kOutW + column0);
-      fold_warp<T>(
-          fold_weights[lane], fold_sums, static_cast<int>(first) < fold.cin, static_cast<int>(first) + 1 < fold.cin,
-          planes, plane_size, lane,
-          [&](unsigned i, unsigned k) {
-            return g_slots + ((i / 4) * Tile::kThreads + Tile::kChannelThreads * (i % 4) + 2 * k) * L;
-          },
-          [&](unsigned i) {
-            const unsigned p = i / 4, row = 2 * (quad_row + p / 4) + p / 2 % 2;
-            const unsigned column = Pre::column(2 * (column0 + i % 4) + p % 2);
-            return tile + Tile::kPreAt + (row * Pre::kRowPixels + column) * Pre::kSlab;
-          },
-          [&](unsigned i, unsigned& offset) {
-            const unsigned p = i / 4, y = y0 + 2 * (p / 4) + p / 2 % 2, x = x0 + 2 * (i % 4) + p % 2;
-            offset = y * static_cast<unsigned>(W) + x;
-            return y < static_cast<unsigned>(H) && x < static_cast<unsigned>(W);
-          });
+      // The warp's first pixel: quad column 4 (w % 2), quad row R (w / 2).
+      const unsigned warp = tid / 32;
+      const unsigned y0 = 2 * (t.digit[1] * Tile::kOutH + R * (warp / 2));
+      const unsigned x0 = 2 * (t.digit[0] * Tile::kOutW + 4 * (warp % 2));
+      constexpr unsigned kGBlock = 4 * Tile::kThreads * L, kGStep = 4 * L;
+      constexpr unsigned kRowsBlock = 2 * Pre::kRowPixels * Pre::kSlab;
+      fold_warp<T, kGBlock, kGStep, kRowsBlock>(
+          fold_weights[tid % 32], fold_sums, static_cast<int>(first) < fold.cin,
+          static_cast<int>(first) + 1 < fold.cin, planes, plane_size, own_slots[0][0].v + mine.x,
+          own_slots[0][0].v + mine.y, tile + Tile::kPreAt + mine.z, y0, x0 + mine.w, static_cast<unsigned>(H),
+          static_cast<unsigned>(W));
     }
   };
 

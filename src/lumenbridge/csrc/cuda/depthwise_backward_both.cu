@@ -406,13 +406,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
             }
           });
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
-      if constexpr (GELU_PAIRS && !FOLD) {
-#pragma unroll
-        for (int py = 0; py < 2; ++py) {
-#pragma unroll
-          for (int px = 0; px < 2; ++px) multiply_by_packed<T, L>(acc[py][px], own_slot(py, px));
-        }
-      }
+      const auto slopes = [&](int py, int px) { return reinterpret_cast<const uint32_t*>(own_slot(py, px).v); };
       if constexpr (FOLD) {
         // g into this thread's own slots (zero past the image) for fold_warp.
 #pragma unroll
@@ -421,15 +415,10 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
           for (int px = 0; px < 2; ++px) {
             const bool inside = y + py < H && xs + px < W;
             if constexpr (GELU_PAIRS) {
-              // The gradient rounded to T, then times the slope in packed pairs
-              // (as PyTorch rounds the depthwise input gradient before the
-              // activation's backward): a pair costs three instructions where
-              // the float product cost seven.
               auto* pairs = reinterpret_cast<uint32_t*>(own_slot(py, px).v);
 #pragma unroll
               for (int h = 0; h < L / 2; ++h) {
-                const uint32_t g = PairMath<T>::mul(pack2<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1]), pairs[h]);
-                pairs[h] = inside ? g : 0u;
+                pairs[h] = inside ? scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], pairs[h]) : 0u;
               }
             } else {
               multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
@@ -440,9 +429,24 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
             }
           }
         }
+      } else if constexpr (GELU_PAIRS) {
+        Vec<T, L> values[2][2];
+#pragma unroll
+        for (int py = 0; py < 2; ++py) {
+#pragma unroll
+          for (int px = 0; px < 2; ++px) {
+            auto* pairs = reinterpret_cast<uint32_t*>(values[py][px].v);
+#pragma unroll
+            for (int h = 0; h < L / 2; ++h) {
+              pairs[h] = scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], slopes(py, px)[h]);
+            }
+          }
+        }
+        T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
+        store_quad_values<T, L>(values, image, y, xs, H, W, C, c, vector_stores);
       } else {
         T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
-        store_quad<!GELU_PAIRS, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
+        store_quad<true, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
       }
     }
     if constexpr (FOLD) {

@@ -47,14 +47,14 @@ __device__ __forceinline__ void multiply_pair(float (&value)[L], int h, uint32_t
   value[2 * h + 1] *= s.y;
 }
 
-// Scales a thread's L gradients at one pixel by slopes already evaluated,
-// packed pairs of T.
-template <typename T, int L>
-__device__ __forceinline__ void multiply_by_packed(float (&value)[L], const Vec<T, L>& slopes) {
-  static_assert(L % 2 == 0, "the packed slope takes pairs");
-  const auto* pairs = reinterpret_cast<const uint32_t*>(slopes.v);
-#pragma unroll
-  for (int h = 0; h < L / 2; ++h) multiply_pair<T, L>(value, h, pairs[h]);
+// Gradients a and b rounded to T, then times a packed pair of slopes in T:
+// three instructions (pack, multiply and the caller's store or select) where
+// the float product cost two unpacks, two multiplies and the pack. One more
+// rounding than the float product, as PyTorch rounds the depthwise input
+// gradient before the activation's backward multiplies it.
+template <typename T>
+__device__ __forceinline__ uint32_t scaled_pair(float a, float b, uint32_t slopes) {
+  return PairMath<T>::mul(pack2<T>(a, b), slopes);
 }
 
 // Scales a thread's L gradients at one pixel by act'(pre) there. The choice
@@ -114,6 +114,21 @@ __device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
   }
 }
 
+// Stores one pixel's L values of an NHWC image at `dst` (its channel c of C):
+// one vector where the caller's vector_stores holds and the pixel has L
+// channels from c, element by element up to C otherwise.
+template <typename T, int L>
+__device__ __forceinline__ void store_pixel(T* dst, const Vec<T, L>& values, int c, int C, bool vector_stores) {
+  if (vector_stores && c + L <= C) {
+    store_vec<T, L>(dst, values);
+  } else {
+#pragma unroll
+    for (int e = 0; e < L; ++e) {
+      if (c + e < C) dst[e] = values.v[e];
+    }
+  }
+}
+
 // Stores a quad's gradients acc[py][px] at pixel (y + py, x + px) of an NHWC
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
 // image left out; with SLOPE each is first scaled by the slope at the
@@ -127,18 +142,25 @@ __device__ __forceinline__ void store_quad(float (&acc)[2][2][L], T* image, int 
     for (int px = 0; px < 2; ++px) {
       if (y + py >= H || x + px >= W) continue;
       if constexpr (SLOPE) multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
-      T* dst = image + (static_cast<int64_t>(y + py) * W + x + px) * C;
-      if (vector_stores && c + L <= C) {
-        Vec<T, L> result;
+      Vec<T, L> result;
 #pragma unroll
-        for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
-        store_vec<T, L>(dst, result);
-      } else {
+      for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
+      store_pixel<T, L>(image + (static_cast<int64_t>(y + py) * W + x + px) * C, result, c, C, vector_stores);
+    }
+  }
+}
+
+// The same for gradients already in T, values[py][px].
+template <typename T, int L>
+__device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2], T* image, int y, int x, int H,
+                                                  int W, int C, int c, bool vector_stores) {
 #pragma unroll
-        for (int e = 0; e < L; ++e) {
-          if (c + e < C) dst[e] = static_cast<T>(acc[py][px][e]);
-        }
-      }
+  for (int py = 0; py < 2; ++py) {
+#pragma unroll
+    for (int px = 0; px < 2; ++px) {
+      if (y + py >= H || x + px >= W) continue;
+      store_pixel<T, L>(image + (static_cast<int64_t>(y + py) * W + x + px) * C, values[py][px], c, C,
+                        vector_stores);
     }
   }
 }

@@ -406,7 +406,6 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
             }
           });
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
-      const auto slopes = [&](int py, int px) { return reinterpret_cast<const uint32_t*>(own_slot(py, px).v); };
       if constexpr (FOLD) {
         // g into this thread's own slots (zero past the image) for fold_warp.
 #pragma unroll
@@ -435,10 +434,11 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
         for (int py = 0; py < 2; ++py) {
 #pragma unroll
           for (int px = 0; px < 2; ++px) {
+            const auto* slopes = reinterpret_cast<const uint32_t*>(own_slot(py, px).v);
             auto* pairs = reinterpret_cast<uint32_t*>(values[py][px].v);
 #pragma unroll
             for (int h = 0; h < L / 2; ++h) {
-              pairs[h] = scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], slopes(py, px)[h]);
+              pairs[h] = scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], slopes[h]);
             }
           }
         }

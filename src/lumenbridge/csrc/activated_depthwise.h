@@ -5,7 +5,9 @@
 //                    (the backward's GEMM rows: for NHWC, any pixel pitch)
 //   backward_weight  (grad_weight, grad_bias) against x
 //   backward_input   the gradient of pre: act'(pre) times that of x
-//   backward         both: (gradient of pre, grad_weight, grad_bias)
+//   backward         both: (gradient of pre, grad_weight, grad_bias); handed
+//                    pre's only reference, it may write the gradient over pre
+//                    (CUDA's one-pass kernel does)
 //   backward_from_rows  both, with pre given as the previous stage's
 //                    depthwise rows and pointwise terms (pre_from_rows)
 // On CUDA the NHWC kernels apply act to their input tiles as they land, so x
@@ -35,7 +37,7 @@ namespace lumenbridge {
   std::tuple<at::Tensor, at::Tensor> activated_depthwise_backward_weight(                                 \
       const at::Tensor& grad_output, const at::Tensor& pre, const DepthwiseProblem& p, Activation activation); \
   std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(                             \
-      const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& pre, const DepthwiseProblem& p, \
+      const at::Tensor& grad_output, const at::Tensor& weight, at::Tensor pre, const DepthwiseProblem& p,   \
       Activation activation);                                                                              \
   std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward_from_rows(                    \
       const at::Tensor& grad_output, const at::Tensor& weight, const at::Tensor& rows,                      \

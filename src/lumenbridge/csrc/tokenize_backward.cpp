@@ -268,7 +268,7 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
   std::tie(grad_pre, grads.dw_weights[i], grads.dw_biases[i]) =
       input.rows.defined()
           ? kernels.depthwise_backward_from_rows(g_d, s.dw_weight, input.rows, input.pointwise, dw, activation)
-          : kernels.depthwise_backward(g_d, s.dw_weight, input.pre, dw, activation);
+          : kernels.depthwise_backward(g_d, s.dw_weight, std::move(input.pre), dw, activation);
   return {grad_pre};
 }
 
@@ -359,7 +359,10 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
       input.rows = forward.depthwise[i - 1];
       input.pointwise = pointwise_terms(p.stages[i - 1]);
     } else {
-      input.pre = dense(apply_stage_norm(outputs[i - 1], p.stages[i - 1], p), depthwise_layout(p.stages[i]));
+      // Without a stage norm the previous stage's backward never reads its
+      // output, so it is handed over and its memory can take the gradient.
+      at::Tensor previous = p.stage_norm == StageNorm::NONE ? std::move(outputs[i - 1]) : outputs[i - 1];
+      input.pre = dense(apply_stage_norm(previous, p.stages[i - 1], p), depthwise_layout(p.stages[i]));
     }
     handed = stage_backward(std::move(handed), std::move(outputs[i]), std::move(forward.depthwise[i]),
                             std::move(input), i, p, mask, kernels, grads);

@@ -498,8 +498,7 @@ at::Tensor activated_depthwise_backward_input(const at::Tensor& grad_output, con
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(const at::Tensor& grad_output,
-                                                                          const at::Tensor& weight,
-                                                                          const at::Tensor& pre,
+                                                                          const at::Tensor& weight, at::Tensor pre,
                                                                           const DepthwiseProblem& p,
                                                                           Activation activation) {
   return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,

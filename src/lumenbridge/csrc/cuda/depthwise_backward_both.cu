@@ -251,7 +251,7 @@ template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS, bool FOLD>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                   BothGradientsTile<T, K, FROM_ROWS>::kMinBlocks)
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
-                                           PreSource<T> source, T* __restrict__ grad_input,
+                                           PreSource<T> source, T* grad_input,  // may be source.values
                                            float* __restrict__ partials, FoldTarget fold,
                                            InputActivation activation, OutputSlope slope, int C, int H, int W,
                                            int Ho, int Wo, int grad_chunk, bool vector_stores, TileSpace<3> space,
@@ -556,11 +556,13 @@ struct OnePassGrads {
 
 // Both gradients in one pass where the kernel covers the problem, pre read
 // from `values` (FROM_ROWS: computed from the rows `values` and `pointwise`;
-// with `fold`, also that narrow stage's pointwise backward); nullopt elsewhere.
+// with `fold`, also that narrow stage's pointwise backward; with
+// `overwrite_values`, the gradient written over pre); nullopt elsewhere.
 template <bool FROM_ROWS>
 std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Tensor& weight,
                                      const at::Tensor& values, const at::Tensor& pointwise,
-                                     const DepthwiseProblem& p, Activation activation, bool fold) {
+                                     const DepthwiseProblem& p, Activation activation, bool fold,
+                                     bool overwrite_values = false) {
   if constexpr (!FROM_ROWS) TORCH_INTERNAL_ASSERT(!fold, "the fold reads the rows");
   if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return std::nullopt;
   // The fold: half types (the tensor cores), an image's g_d planes in 32-bit offsets.
@@ -602,7 +604,8 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
           target.grad_depthwise = fold_shares.mutable_data_ptr<float>();
           target.partials = fold_partials.mutable_data_ptr<float>();
         } else {
-          out.grad_input = new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
+          out.grad_input = !FROM_ROWS && overwrite_values ? values
+                                                          : new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
         }
         out.grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
         out.grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
@@ -641,11 +644,15 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(const at::Tensor& grad_output,
-                                                                          const at::Tensor& weight,
-                                                                          const at::Tensor& pre,
+                                                                          const at::Tensor& weight, at::Tensor pre,
                                                                           const DepthwiseProblem& p,
                                                                           Activation activation) {
-  if (auto out = one_pass<false>(grad_output, weight, pre, at::Tensor(), p, activation, false)) {
+  // Handed pre's only reference (and nothing else sharing its memory), the
+  // one-pass kernel writes the gradient over it: each tile reads its own
+  // pixels of pre before it writes their gradient, and no tile reads
+  // another's (stage 3's p_2 is 308 MB at B = 256 for lumenbridge-base).
+  const bool overwrite = pre.use_count() == 1 && pre.storage().use_count() == 1 && !pre.requires_grad();
+  if (auto out = one_pass<false>(grad_output, weight, pre, at::Tensor(), p, activation, false, overwrite)) {
     return {out->grad_input, out->grad_weight, out->grad_bias};
   }
   return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,

@@ -1,8 +1,8 @@
 """The backward of torch.ops.lumenbridge.tokenize and tokenize_for_training
 (the op tokenize_backward): gradients against float64 autograd of the
 reference over the shared sample cases, gradcheck, opcheck, determinism, what
-autograd saves (tokenize_for_training's depthwise rows checked against the
-reference), double backward, the gateway's checks, autocast with GradScaler,
+autograd saves (tokenize_for_training's depthwise rows and intermediate
+stage outputs checked against the reference), double backward, the gateway's checks, autocast with GradScaler,
 torch.compile, and the model using the op for training."""
 
 from __future__ import annotations
@@ -209,10 +209,11 @@ def saved_tensors(run):
 @pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])
 def test_what_the_forward_saves(uint8, native_ops):
     """tokenize saves its inputs alone; tokenize_for_training (the model's
-    training call) also each later stage's depthwise rows: for lumenbridge-base
-    at 64 x 64, 16^2 x 104 + 8^2 x 200 + 4^2 x 392 values an image (the
-    README states the 224 x 224 figure), less than the first stage's pointwise
-    output, which eager autograd saves among much else."""
+    training call) also each later stage's depthwise rows and each
+    intermediate stage's pointwise output: for lumenbridge-base at 64 x 64,
+    16^2 x 104 + 8^2 x 200 + 4^2 x 392 and 16^2 x 192 + 8^2 x 384 values an
+    image (the README states the 224 x 224 figure), under a third of what
+    eager autograd saves."""
     case = case_named("base")
     model = case.model()
     images = case.images() if uint8 else torch.randn(2, 3, 64, 64).requires_grad_(True)
@@ -228,16 +229,16 @@ def test_what_the_forward_saves(uint8, native_ops):
 
     training = activations(lambda: native.tokenize(images, model))
     assert training[0].data_ptr() == images.data_ptr()
-    rows = training[1:]
+    rows, outputs = training[1:4], training[4:]
     widths = [torch.ops.lumenbridge.depthwise_row_width(c) for c in case.config.stage_widths[:-1]]
     assert widths == [104, 200, 392]
     assert [tuple(t.shape) for t in rows] == [(len(images) * s * s, w) for s, w in zip((16, 8, 4), widths)]
-    rows_per_image = sum(t.nbytes for t in rows) // len(images)
-    assert rows_per_image == (16 * 16 * 104 + 8 * 8 * 200 + 4 * 4 * 392) * 4
+    assert [tuple(t.shape) for t in outputs] == [(len(images) * 16 * 16, 192), (len(images) * 8 * 8, 384)]
+    saved_per_image = sum(t.nbytes for t in training[1:]) // len(images)
+    assert saved_per_image == (16 * 16 * 104 + 8 * 8 * 200 + 4 * 4 * 392 + 16 * 16 * 192 + 8 * 8 * 384) * 4
     eager = saved_tensors(lambda: model.forward_layers(images, "reference"))
     eager_per_image = sum(t.nbytes for t in eager if t.data_ptr() not in parameters) // len(images)
-    first_stage_output = case.config.stage_widths[0] * 32 * 32 * 4
-    assert rows_per_image < first_stage_output < eager_per_image
+    assert 3 * saved_per_image < eager_per_image
 
 
 class OpNames(TorchDispatchMode):
@@ -252,9 +253,9 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_saved_rows_get_no_materialized_gradient(native_ops):
-    """Autograd hands tokenize_for_training's backward no zeros for the rows
-    (they would be as large as the rows themselves)."""
+def test_what_is_saved_gets_no_materialized_gradient(native_ops):
+    """Autograd hands tokenize_for_training's backward no zeros for what it
+    saved (they would be as large as the saved tensors themselves)."""
     model = VisualTokenizer(NARROW, seed=0)
     tokens = native.tokenize(torch.randn(2, 3, 32, 32), model)
     with OpNames() as ops:
@@ -263,31 +264,41 @@ def test_the_saved_rows_get_no_materialized_gradient(native_ops):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def stage_depthwise_outputs(model, images):
-    """Each stage's depthwise output [N, C, h, w], layer by layer through the reference."""
-    inputs = []
+def stage_outputs(model, images):
+    """Each stage's depthwise output and its pointwise output before the norm
+    and the activation, [N, C, h, w] each, layer by layer through the reference."""
+    inputs, pointwise = [], []
     hooks = [stage.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for stage in model.stages]
+    hooks += [stage.norm.register_forward_pre_hook(lambda _, args: pointwise.append(args[0])) for stage in model.stages]
     try:
         with torch.no_grad():
             model.forward_layers(images, "reference")
     finally:
         for hook in hooks:
             hook.remove()
-    return [
+    depthwise = [
         torch.nn.functional.conv2d(x, s.dw.weight, s.dw.bias, s.dw.stride, s.dw.padding, groups=s.dw.groups)
         for x, s in zip(inputs, model.stages, strict=True)
     ]
+    return depthwise, pointwise
+
+
+def as_rows(x):
+    """[N, C, h, w] as float64 rows [N * h * w, C] on the CPU."""
+    return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).cpu().double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("device", device_params())
-def test_saved_rows_hold_each_later_stages_depthwise_output(case, dtype, device, poisoned, request):
-    """Every element of the saved rows written (poisoned outputs): the
-    depthwise output within 2x PyTorch's own error in the dtype against
-    float64, then exactly a one and zeros; and the tokens within the same
-    rule (and bitwise tokenize's where both run the fused kernels: saving
-    changes nothing)."""
+def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dtype, device, poisoned, request):
+    """Every element of what tokenize_for_training saves written (poisoned
+    outputs): each later stage's rows hold its depthwise output within 2x
+    PyTorch's own error in the dtype against float64, then exactly a one and
+    zeros; each intermediate stage's saved output is its pointwise output
+    before the norm and activation, within the same rule; and the tokens too
+    (and bitwise tokenize's where both run the fused kernels: saving changes
+    nothing)."""
     if device == "cuda":
         request.getfixturevalue("cuda_kernels")
     model, images = case.model(), case.images()
@@ -301,14 +312,25 @@ def test_saved_rows_hold_each_later_stages_depthwise_output(case, dtype, device,
         assert torch.equal(tokens, plain)
     report = compare_to_float64(model, low_images, tokens, dtype)
     assert report.ok, report
-    exact = stage_depthwise_outputs(
+    exact, exact_pointwise = stage_outputs(
         copy.deepcopy(model).double(), images if images.dtype == torch.uint8 else images.double()
     )
-    pytorch = stage_depthwise_outputs(low, low_images)
-    assert len(saved) == len(exact) - 1
-    for rows, d64, d in zip(saved, exact[1:], pytorch[1:], strict=True):
+    pytorch, pytorch_pointwise = stage_outputs(low, low_images)
+    stages = len(exact)
+    assert len(saved) == 2 * stages - 3
+    saved_rows, saved_outputs = saved[: stages - 1], saved[stages - 1 :]
+    for output, p64, p in zip(saved_outputs, exact_pointwise[1:-1], pytorch_pointwise[1:-1], strict=True):
+        flat64, flat = as_rows(p64), as_rows(p)
+        assert output.shape == flat64.shape
+        report = ErrorReport(
+            error=(output.cpu().double() - flat64).abs().max().item(),
+            torch_error=(flat - flat64).abs().max().item(),
+            floor=ROUNDING_FLOOR[dtype] * max(flat64.abs().max().item(), 1.0),
+        )
+        assert report.ok, (output.shape, report)
+    for rows, d64, d in zip(saved_rows, exact[1:], pytorch[1:], strict=True):
         cin = d64.shape[1]
-        flat64, flat = (t.permute(0, 2, 3, 1).reshape(-1, cin).cpu().double() for t in (d64, d))
+        flat64, flat = as_rows(d64), as_rows(d)
         rows = rows.cpu().double()
         assert rows.shape == (len(flat64), torch.ops.lumenbridge.depthwise_row_width(cin))
         report = ErrorReport(
@@ -337,11 +359,12 @@ def test_double_backward_raises_naming_the_op(native_ops):
         (lambda a: {"grad_tokens": a["grad_tokens"].double()}, "grad_tokens has dtype"),
         (lambda a: {"output_mask": [True, True]}, "uint8 images have no gradient"),
         (lambda a: {"activation": "tanh"}, "activation must be one of"),
-        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 3 tensors .* got 2"),
+        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 5 tensors .* got 4"),
         (lambda a: {"saved": [a["saved"][0][:-1], *a["saved"][1:]]}, r"saved\[0\] must have shape \[64, 16\]"),
+        (lambda a: {"saved": [*a["saved"][:4], a["saved"][4][:, :-1]]}, r"saved\[4\] must have shape \[16, 36\]"),
         (lambda a: {"saved": [a["saved"][0].double(), *a["saved"][1:]]}, r"saved\[0\] has dtype Double"),
         (
-            lambda a: {"saved": [a["saved"][0], a["saved"][1].t().contiguous().t(), a["saved"][2]]},
+            lambda a: {"saved": [a["saved"][0], a["saved"][1].t().contiguous().t(), *a["saved"][2:]]},
             r"saved\[1\] must be contiguous",
         ),
     ],
@@ -355,7 +378,7 @@ def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gateway_rejects_saved_rows_on_another_device(cuda_kernels):
+def test_gateway_rejects_saved_tensors_on_another_device(cuda_kernels):
     args = narrow_backward_arguments("cuda")
     args["saved"][1] = args["saved"][1].cpu()
     with pytest.raises(RuntimeError, match=r"LumenBridge: saved\[1\] is on cpu but images is on cuda"):
@@ -364,8 +387,8 @@ def test_gateway_rejects_saved_rows_on_another_device(cuda_kernels):
 
 def narrow_backward_arguments(device: str) -> dict:
     """tokenize_backward's arguments for NARROW on one uint8 32 x 32 image:
-    tokenize's, a token gradient of ones, the rows tokenize_for_training
-    saved, and the parameters' gradients asked for."""
+    tokenize's, a token gradient of ones, what tokenize_for_training saved,
+    and the parameters' gradients asked for."""
     model = VisualTokenizer(NARROW, seed=0).eval().to(device)
     images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
     names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]

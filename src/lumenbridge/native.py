@@ -2,7 +2,8 @@
 torch.compile can trace the ops, and autograd formulas: the three depthwise
 ops, each another one's gradient, give gradients of any order; the backward
 of tokenize and of tokenize_for_training (tokenize that also returns the
-depthwise rows its backward would otherwise recompute) is the op
+depthwise rows and intermediate stage outputs its backward would otherwise
+recompute) is the op
 tokenize_backward (first order only). The C++ half (schemas, checks, kernels,
 autocast) is in csrc/; extension.py builds and loads it."""
 
@@ -63,17 +64,21 @@ def _tokenize_fake(
     return dw_weights[0].new_empty(shape)
 
 
-def _tokenize_for_training_fake(images, dw_weights, *args):
-    """The tokens, and each later stage's depthwise rows [N * h * w, row width]."""
-    tokens = _tokenize_fake(images, dw_weights, *args)
-    strides, padded_size = args[3], args[13]
+def _tokenize_for_training_fake(images, dw_weights, dw_biases, pw_weights, *args):
+    """The tokens, each later stage's depthwise rows [N * h * w, row width],
+    then each intermediate stage's pointwise output [N * h * w, Cout]."""
+    tokens = _tokenize_fake(images, dw_weights, dw_biases, pw_weights, *args)
+    strides, padded_size = args[1], args[11]
     k, n = dw_weights[0].shape[-1], images.shape[0]
-    extents = zip(*(stage_extents(extent, k, strides) for extent in padded_size), strict=True)
-    saved = [
-        dw_weights[0].new_empty((n * h * w, ops.depthwise_row_width(weight.shape[0])))
-        for weight, (h, w) in zip(dw_weights[1:], list(extents)[1:], strict=True)
+    pixels = [n * h * w for h, w in zip(*(stage_extents(e, k, strides) for e in padded_size), strict=True)]
+    rows = [
+        dw_weights[0].new_empty((m, ops.depthwise_row_width(weight.shape[0])))
+        for weight, m in zip(dw_weights[1:], pixels[1:], strict=True)
     ]
-    return tokens, saved
+    outputs = [
+        dw_weights[0].new_empty((m, weight.shape[0])) for weight, m in zip(pw_weights[1:-1], pixels[1:-1], strict=True)
+    ]
+    return tokens, rows + outputs
 
 
 def _tokenize_backward_fake(
@@ -116,16 +121,16 @@ def _tokenize_backward_fake(
     )
 
 
-def _save_inputs(ctx, inputs, saved_rows):
-    """Save the inputs and the depthwise rows tokenize_for_training returned
-    (none for tokenize): the backward recomputes the rest."""
+def _save_inputs(ctx, inputs, saved_forward):
+    """Save the inputs and what tokenize_for_training returned besides the
+    tokens (nothing for tokenize): the backward recomputes the rest."""
     images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
     norm_weights, norm_biases, token_w, token_b = inputs[8:12]
     ctx.save_for_backward(
         images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b,
-        *saved_rows,
+        *saved_forward,
     )  # fmt: skip
-    ctx.counts = len(dw_weights), len(norm_weights), len(saved_rows)
+    ctx.counts = len(dw_weights), len(norm_weights), len(saved_forward)
     ctx.options = inputs[5:8], inputs[12:]  # (strides, activation, stage_norm), (eps, ..., output_fmt)
 
 
@@ -134,18 +139,18 @@ def _tokenize_setup(ctx, inputs, output):
 
 
 def _tokenize_for_training_setup(ctx, inputs, output):
-    _, saved_rows = output
-    ctx.mark_non_differentiable(*saved_rows)
-    # The rows get no gradient: without this, autograd would hand the
-    # backward zeros of their sizes (287 MB at B = 256 for lumenbridge-base).
+    _, saved_forward = output
+    ctx.mark_non_differentiable(*saved_forward)
+    # What is saved gets no gradient: without this, autograd would hand the
+    # backward zeros of its sizes (about 750 MB at B = 256 for lumenbridge-base).
     ctx.set_materialize_grads(False)
-    _save_inputs(ctx, inputs, saved_rows)
+    _save_inputs(ctx, inputs, saved_forward)
 
 
 def _tokenize_backward(ctx, grad):
-    stages, norms, rows = ctx.counts
+    stages, norms, forward_count = ctx.counts
     images, *saved = ctx.saved_tensors
-    saved, saved_rows = saved[: len(saved) - rows], saved[len(saved) - rows :]
+    saved, saved_forward = saved[: len(saved) - forward_count], saved[len(saved) - forward_count :]
     groups = []
     for length in (stages, stages, stages, stages, norms, norms):
         groups.append(saved[:length])
@@ -158,7 +163,7 @@ def _tokenize_backward(ctx, grad):
     mask = [needs[0], parameters_grad]
     grads = ops.tokenize_backward(
         grad, images, dw_weights, dw_biases, pw_weights, pw_biases, *stage_options,
-        norm_weights, norm_biases, token_w, token_b, *other_options, saved_rows, mask,
+        norm_weights, norm_biases, token_w, token_b, *other_options, saved_forward, mask,
     )  # fmt: skip
     grad_images, *parameter_grads, grad_token_norm = grads
     if not parameters_grad:
@@ -170,7 +175,7 @@ def _tokenize_backward(ctx, grad):
     return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
 
 
-def _tokenize_for_training_backward(ctx, grad, _grad_saved_rows):
+def _tokenize_for_training_backward(ctx, grad, _grad_saved_forward):
     if grad is None:  # no gradient reached the tokens (gradients are not materialized)
         stages, norms, _ = ctx.counts
         no_stage, no_norm = [None] * stages, [None] * norms
@@ -349,8 +354,8 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
 
 def tokenize(images: torch.Tensor, model) -> torch.Tensor:
     """The whole tokenizer as one op call: tokenize_for_training where autograd
-    will need a backward (its saved depthwise rows spare the backward most of
-    its recompute), tokenize otherwise."""
+    will need a backward (what it saves spares the backward most of its
+    recompute), tokenize otherwise."""
     args = tokenize_arguments(images, model)
     if torch.is_grad_enabled() and any(_needs_grad(a) for a in args):
         return ops.tokenize_for_training(*args)[0]
@@ -391,8 +396,8 @@ def tokenize_backward_path(device_type: str) -> str:
     CUDA's one-pass kernels where they apply."""
     common = (
         "lumenbridge::tokenize_backward, composed from the per-layer kernels, GEMMs and ATen; "
-        "it recomputes the forward from the saved inputs and the depthwise rows that "
-        "lumenbridge::tokenize_for_training saves"
+        "it recomputes the forward from the saved inputs and the depthwise rows and intermediate "
+        "stage outputs that lumenbridge::tokenize_for_training saves"
     )
     if device_type != "cuda":
         return common

@@ -372,24 +372,27 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
                                        std::string(output_fmt)));
 }
 
-// What tokenize_for_training saved, handed back: none, or one row matrix per
-// stage after the first, as that op returns them.
-void check_saved_rows(const TokenizeProblem& p, at::TensorList saved, const at::Tensor& images) {
+// What tokenize_for_training saved, handed back: none, or what that op
+// returns (SavedForward's list: each later stage's rows, then each
+// intermediate stage's output).
+void check_saved(const TokenizeProblem& p, at::TensorList saved, const at::Tensor& images) {
   if (saved.empty()) return;
-  TORCH_CHECK(saved.size() + 1 == p.stages.size(), "LumenBridge: saved must be empty or hold ",
-              text(static_cast<int64_t>(p.stages.size()) - 1),
-              " tensors (one per stage after the first, as tokenize_for_training returns them), got ",
+  const size_t S = p.stages.size();
+  TORCH_CHECK(saved.size() == SavedForward::list_size(S), "LumenBridge: saved must be empty or hold ",
+              text(static_cast<int64_t>(SavedForward::list_size(S))),
+              " tensors (each later stage's depthwise rows, then each intermediate stage's output, as "
+              "tokenize_for_training returns them), got ",
               text(static_cast<int64_t>(saved.size())));
-  for (size_t i = 1; i < p.stages.size(); ++i) {
-    const at::Tensor& rows = saved[i - 1];
-    const std::string name = "saved[" + text(static_cast<int64_t>(i - 1)) + "]";
-    check_same_device(images, "images", rows, name.c_str());
-    TORCH_CHECK(rows.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(rows.scalar_type()),
+  for (size_t k = 0; k < saved.size(); ++k) {
+    const at::Tensor& t = saved[k];
+    const std::string name = "saved[" + text(static_cast<int64_t>(k)) + "]";
+    check_same_device(images, "images", t, name.c_str());
+    TORCH_CHECK(t.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(t.scalar_type()),
                 " but the parameters have dtype ", text(p.dtype));
-    const std::vector<int64_t> expected = depthwise_rows_sizes(p, i);
-    TORCH_CHECK(rows.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ",
-                text(expected), ", got ", text(rows.sizes()));
-    TORCH_CHECK(rows.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
+    const std::vector<int64_t> expected = k + 1 < S ? depthwise_rows_sizes(p, k + 1) : saved_output_sizes(p, k + 2 - S);
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ", text(expected),
+                ", got ", text(t.sizes()));
+    TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
   }
 }
 
@@ -405,7 +408,7 @@ TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at:
               text(grad_tokens.sizes()), " but the tokens have shape ", text(p.output_sizes()));
   TORCH_CHECK(!(output_mask[0] && p.uint8_input),
               "LumenBridge: uint8 images have no gradient; output_mask[0] must be false for them");
-  check_saved_rows(p, saved, images);
+  check_saved(p, saved, images);
   return p;
 }
 
@@ -427,7 +430,8 @@ tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images,
                      std::string(stage_norm), norm_weights, norm_biases, token_norm_weight, token_norm_bias,
                      eps, mean, std, padded_size, std::string(output_fmt)),
       saved, output_mask);
-  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]}, saved.vec());
+  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]},
+                           SavedForward::of(saved.vec(), p.stages.size()));
   std::vector<at::Tensor> grad_images, token_norm;
   if (g.images.defined()) grad_images.push_back(g.images);
   if (g.token_norm_weight.defined()) token_norm = {g.token_norm_weight, g.token_norm_bias};
@@ -540,7 +544,7 @@ TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("tokenize_backward", &tokenize_backward_entry<cpu::tokenize_backward>);
 }
 
-using TrainingResult = std::tuple<at::Tensor, SavedRows>;
+using TrainingResult = std::tuple<at::Tensor, SavedList>;
 
 TORCH_LIBRARY_IMPL(lumenbridge, AutocastCPU, m) {
   m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CPU, kTokenize, at::Tensor>);

@@ -68,9 +68,9 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
                              DepthwiseEntry depthwise);
 
 // ---- lumenbridge::tokenize_backward ---------------------------------------------
-// The gradients of tokenize from its arguments and, from tokenize_for_training,
-// the saved depthwise rows (SavedRows): the backward recomputes the rest of the
-// forward (tokenize_backward.cpp).
+// The gradients of tokenize from its arguments and what tokenize_for_training
+// saved (SavedForward): the backward recomputes the rest of the forward
+// (tokenize_backward.cpp).
 // A field that was not asked for (images for uint8 input, or every parameter
 // when only the images need a gradient) stays undefined or empty.
 struct TokenizeGrads {
@@ -175,34 +175,55 @@ constexpr int64_t kRowAlignment = 8, kNarrowRowTerms = 4;
 int64_t depthwise_row_width(int64_t in_channels);
 // The sizes of stage `stage`'s rows: [N * h * w, depthwise_row_width(Cin)].
 std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage);
-using SavedRows = std::vector<at::Tensor>;  // stages 1 .. S - 1, or empty: recompute them
+// Each intermediate stage's (after the first, before the last) pointwise
+// output before its activation and norm, rows [N * h * w, Cout], which the
+// next stage's backward reads: saved, the backward skips recomputing it.
+std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage);
+
+// What tokenize_for_training saves for one stage (undefined where it saves nothing).
+struct SavedStage {
+  at::Tensor rows, output;
+};
+// What it saves for all: the rows of stages 1 .. S - 1 and the outputs of
+// stages 1 .. S - 2, or nothing (the backward recomputes them). The ops pass
+// it as one list, the rows first.
+using SavedList = std::vector<at::Tensor>;
+struct SavedForward {
+  std::vector<at::Tensor> rows, outputs;
+
+  static SavedForward of(const SavedList& saved, size_t stages);
+  static size_t list_size(size_t stages) { return 2 * stages - 3; }
+  SavedList list() const;
+  bool empty() const { return rows.empty(); }
+  SavedStage stage(size_t i) const;  // i >= 1
+};
 
 // tokenize_for_training composed from the device's kernels and ATen: the
 // backward's recompute, kept (tokenize_backward.cpp).
-std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
-                                                                 const TokenizeProblem& p,
-                                                                 const BackwardKernels& kernels);
+std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
+                                                                    const TokenizeProblem& p,
+                                                                    const BackwardKernels& kernels);
 
 // The backward composed from the device's kernels and ATen, for any device;
 // grad_tokens has the forward output's sizes, any strides.
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const BackwardKernels& kernels, const SavedRows& saved);
+                                         const BackwardKernels& kernels, const SavedForward& saved);
 
 // The tokenize, tokenize_for_training and tokenize_backward entries of each device.
 namespace cpu {
 BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
-std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
+std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved);
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved);
 }  // namespace cpu
 namespace cuda {
 BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
-std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
+std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved);
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved);
 // Why the fused kernels do not cover a configuration ("" when they do); the
 // one statement of what they support. `widths` and `strides` are per stage.
 std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,

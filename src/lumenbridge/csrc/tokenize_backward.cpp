@@ -6,11 +6,11 @@
 // pointwise output p_i (before its norm; not the images' stage's where the
 // next stage reads it from rows, backward_reads_rows) and, for the weight
 // gradients, its depthwise output d_i, as GEMM rows. tokenize_for_training
-// returns the rows of d_i for every stage after the first (SavedRows; written
-// by the fused kernels as they go on CUDA), which autograd keeps between
-// forward and backward: then the recompute is the GEMMs alone, except for the
-// images' stage. With tokenize's own autograd (nothing saved) it recomputes
-// all. Then, from the last stage down, it takes the stage's gradients:
+// returns the rows of d_i for every stage after the first and p_i for every
+// intermediate stage (SavedForward; written by the fused kernels as they go on
+// CUDA), which autograd keeps between forward and backward: then the
+// recompute is the images' stage and the last stage's GEMM alone. With
+// tokenize's own autograd (nothing saved) it recomputes all. Then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
 //                                                               CUDA one kernel for
@@ -166,25 +166,28 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
 // next stage takes them; none where the backward reads the next stage's
 // input from rows) and, for the pointwise weight gradients, its
 // depthwise output as the GEMMs' rows (a quarter of the pointwise outputs'
-// bytes at the presets' widths, kept rather than recomputed), taken from
-// `saved` where the training forward saved them.
+// bytes at the presets' widths, kept rather than recomputed), each taken
+// from `saved` where the training forward saved it.
 struct Recomputed {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> depthwise;
 };
 Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p, const BackwardKernels& kernels,
-                             bool keep_depthwise, bool keep_outputs, const SavedRows& saved) {
+                             bool keep_depthwise, bool keep_outputs, const SavedForward& saved) {
   Recomputed r;
   at::Tensor pre;  // the previous stage's normed output
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const bool last = i + 1 == p.stages.size();
-    at::Tensor rows_of_d = i == 0            ? kernels.images_depthwise_rows(images, p)
-                           : !saved.empty() ? saved[i - 1]
-                                            : depthwise_rows(pre, p, i, kernels);
+    const SavedStage given = i == 0 ? SavedStage{} : saved.stage(i);
+    at::Tensor rows_of_d = i == 0                ? kernels.images_depthwise_rows(images, p)
+                           : given.rows.defined() ? given.rows
+                                                  : depthwise_rows(pre, p, i, kernels);
     const bool kept = last || (keep_outputs && !backward_reads_rows(p, i + 1, keep_depthwise));
     const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
-    at::Tensor output = kept || feeds_next ? pointwise(rows_of_d, s, p) : at::Tensor();
+    at::Tensor output = given.output.defined()  ? from_rows(given.output, p.N, s.out_h, s.out_w)
+                        : kept || feeds_next ? pointwise(rows_of_d, s, p)
+                                             : at::Tensor();
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
     if (feeds_next) pre = apply_stage_norm(output, s, p);
     r.outputs.push_back(kept ? std::move(output) : at::Tensor());
@@ -313,17 +316,45 @@ std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage
   return {p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)};
 }
 
-std::tuple<at::Tensor, SavedRows> tokenize_for_training_composed(const at::Tensor& images,
-                                                                 const TokenizeProblem& p,
-                                                                 const BackwardKernels& kernels) {
-  Recomputed forward = recompute_forward(images, p, kernels, true, false, {});
+std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage) {
+  const TokenizeStage& s = p.stages[stage];
+  return {p.N * s.out_h * s.out_w, s.out_channels};
+}
+
+SavedForward SavedForward::of(const SavedList& saved, size_t stages) {
+  if (saved.empty()) return {};
+  TORCH_INTERNAL_ASSERT(saved.size() == list_size(stages), "the gateway checks the saved list");
+  return {SavedList(saved.begin(), saved.begin() + (stages - 1)), SavedList(saved.begin() + (stages - 1), saved.end())};
+}
+
+SavedList SavedForward::list() const {
+  SavedList all = rows;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  return all;
+}
+
+SavedStage SavedForward::stage(size_t i) const {
+  if (empty()) return {};
+  return {rows[i - 1], i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
+}
+
+std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
+                                                                    const TokenizeProblem& p,
+                                                                    const BackwardKernels& kernels) {
+  Recomputed forward = recompute_forward(images, p, kernels, true, true, {});
+  const size_t S = p.stages.size();
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
-  return {tokens, SavedRows(forward.depthwise.begin() + 1, forward.depthwise.end())};
+  SavedForward saved;
+  for (size_t i = 1; i < S; ++i) {
+    saved.rows.push_back(std::move(forward.depthwise[i]));
+    if (i + 1 < S) saved.outputs.push_back(rows(forward.outputs[i]));
+  }
+  return {tokens, saved};
 }
 
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
-                                         const BackwardKernels& kernels, const SavedRows& saved) {
+                                         const BackwardKernels& kernels, const SavedForward& saved) {
   const size_t S = p.stages.size();
   Recomputed forward = recompute_forward(images, p, kernels, mask.parameters, true, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;
@@ -394,12 +425,13 @@ std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(const at::Te
   return images_depthwise_backward_weight_composed(grad_depthwise, images, p, backward_kernels());
 }
 
-std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
-  return tokenize_for_training_composed(images, p, backward_kernels());
+std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+  auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
+  return {tokens, saved.list()};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved) {
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved) {
   return tokenize_backward_composed(grad_tokens, images, p, mask, backward_kernels(), saved);
 }
 }  // namespace cpu
@@ -416,7 +448,7 @@ BackwardKernels backward_kernels() {
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedRows& saved) {
+                                const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved) {
   return tokenize_backward_composed(grad_tokens, images, p, mask, backward_kernels(), saved);
 }
 }  // namespace cuda

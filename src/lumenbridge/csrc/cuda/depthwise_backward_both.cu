@@ -95,7 +95,7 @@ struct BothGradientsTile : NhwcLanes {
 };
 
 // x = act(pre) at one pixel, this thread's L channels, as the forward's
-// kernels take it: bf16 and fp16 in the packed form (activate_pair), float in
+// kernels take it: bf16 and fp16 in the packed form (activate_packed), float in
 // ATen's form.
 template <typename T, int L>
 __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const InputActivation& act, float (&x)[L]) {
@@ -109,8 +109,7 @@ __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const Input
     const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
 #pragma unroll
     for (int h = 0; h < L / 2; ++h) {
-      const float2 v = unpack2<T>(pairs[h]);
-      const float2 a = unpack2<T>(act.kind == Activation::NONE ? pairs[h] : activate_pair<T>(v.x, v.y, act.form));
+      const float2 a = unpack2<T>(act.kind == Activation::NONE ? pairs[h] : activate_packed<T>(pairs[h], act.form));
       x[2 * h] = a.x;
       x[2 * h + 1] = a.y;
     }

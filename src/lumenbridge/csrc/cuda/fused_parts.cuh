@@ -275,14 +275,14 @@ struct PointwiseWeight {
 // mma work; the 64 rows' accumulators leave registers for no more.
 constexpr int kBDepth = 2;
 
-// out_tile[row][n] = act(A[row] . weight[n] + bias[n]) in T for the block's
-// kTileRows rows and all Cout columns. Each warp takes kNTiles column tiles per
+// out_tile[row][n] = A[row] . weight[n] + bias[n] in T for the block's
+// kTileRows rows and all Cout columns (write_tile applies the activation). Each warp takes kNTiles column tiles per
 // pass; each lane's B rows (one per column tile) are fixed for a pass, so
 // their addresses and bounds are computed once, and its loads run
 // kBDepth k-groups ahead of the multiplies in a ring of registers.
 template <typename T, bool Vector>
-__device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw,
-                          const ActivationForm& act, T* out_tile, int out_stride) {
+__device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw, T* out_tile,
+                          int out_stride) {
   constexpr int kDepth = Vector ? kBDepth + 1 : 1;  // the element path: no ring (rare; registers)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int group = lane / 4, quad = lane % 4;
@@ -355,10 +355,8 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 #pragma unroll
       for (int m = 0; m < (kTileRows / 16); ++m) {
         const int row = m * 16 + group;
-        *reinterpret_cast<uint32_t*>(out_tile + row * out_stride + n) =
-            activate_pair<T>(acc[m][j][0], acc[m][j][1], act);
-        *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * out_stride + n) =
-            activate_pair<T>(acc[m][j][2], acc[m][j][3], act);
+        *reinterpret_cast<uint32_t*>(out_tile + row * out_stride + n) = pack2<T>(acc[m][j][0], acc[m][j][1]);
+        *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * out_stride + n) = pack2<T>(acc[m][j][2], acc[m][j][3]);
       }
     }
   }
@@ -367,15 +365,21 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 // ---- epilogue: the block's outputs to device memory ----------------------------
 
 // Where a block writes, and what it does on the way: the intermediate stage
-// output (NHWC rows), or the tokens (rows for NLC / NHWC, planes for NCHW),
-// with the token LayerNorm when `norm_weight` is set.
+// output (NHWC rows) after the `activated` activation, or the tokens (rows
+// for NLC / NHWC, planes for NCHW), with the token LayerNorm when
+// `norm_weight` is set. For tokenize_for_training an intermediate stage also
+// writes its output before the activation into `saved_output` (rows, as
+// `out`), which the backward would otherwise recompute.
 template <typename T>
 struct TileOutput {
   T* out;
+  T* saved_output;  // intermediate stages of tokenize_for_training; else null
   int channels;
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
   bool vector;    // rows of 16-byte-aligned multiples of 8 channels (the norm's tensors aligned too)
+  bool activated;
+  ActivationForm act;
   const T* norm_weight;
   const T* norm_bias;
   float eps;
@@ -435,10 +439,16 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
     row_statistics<T>(tile, stride, o.channels, o.eps, rows);
     __syncthreads();
   }
-  auto transform = [&](float v, int r, int c) {
-    return norm ? (v - rows.mean[r]) * rows.rstd[r] * static_cast<float>(o.norm_weight[c]) +
-                      static_cast<float>(o.norm_bias[c])
-                : v;
+  // One value of the tile as written: normed, activated (act of a value in
+  // the low half of a pair; the high half's result is unused) or as it is.
+  auto transform = [&](T value, int r, int c) {
+    const float v = static_cast<float>(value);
+    if (norm) {
+      return static_cast<T>((v - rows.mean[r]) * rows.rstd[r] * static_cast<float>(o.norm_weight[c]) +
+                            static_cast<float>(o.norm_bias[c]));
+    }
+    if (!o.activated) return value;
+    return T(static_cast<uint16_t>(activate_pair<T>(v, 0.0f, o.act) & 0xffffu), T::from_bits());
   };
   if (o.planes) {
     // Consecutive threads take consecutive pixels of one channel plane.
@@ -447,17 +457,21 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       const int64_t image = pixel / o.plane, offset = pixel % o.plane;
-      o.out[(image * o.channels + c) * o.plane + offset] =
-          static_cast<T>(transform(static_cast<float>(tile[r * stride + c]), r, c));
+      o.out[(image * o.channels + c) * o.plane + offset] = transform(tile[r * stride + c], r, c);
     }
   } else if (o.vector && !norm) {
-    // Rows of whole 16-byte units copied as they are.
+    // Rows of whole 16-byte units, activated in pairs.
     for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column * 8;
       const int64_t pixel = rows.pixel[r];
-      if (pixel >= 0) {
-        *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = *reinterpret_cast<const uint4*>(tile + r * stride + c);
+      if (pixel < 0) continue;
+      uint4 chunk = *reinterpret_cast<const uint4*>(tile + r * stride + c);
+      if (o.saved_output != nullptr) *reinterpret_cast<uint4*>(o.saved_output + pixel * o.channels + c) = chunk;
+      if (o.activated) {
+        chunk = make_uint4(activate_packed<T>(chunk.x, o.act), activate_packed<T>(chunk.y, o.act),
+                           activate_packed<T>(chunk.z, o.act), activate_packed<T>(chunk.w, o.act));
       }
+      *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = chunk;
     }
   } else if (o.vector) {
     for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
@@ -480,8 +494,9 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       const int r = at.row, c = at.column;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
-      o.out[pixel * o.channels + c] =
-          static_cast<T>(transform(static_cast<float>(tile[r * stride + c]), r, c));
+      const T value = tile[r * stride + c];
+      if (o.saved_output != nullptr) o.saved_output[pixel * o.channels + c] = value;
+      o.out[pixel * o.channels + c] = transform(value, r, c);
     }
   }
 }

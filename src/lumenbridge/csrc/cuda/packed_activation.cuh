@@ -153,15 +153,20 @@ struct PairMath<at::Half> {
   }
 };
 
-// act(a), act(b) rounded to T and packed (a in the low half), for a store.
+// act of a packed pair v of T, packed the same way.
 template <typename T>
-__device__ __forceinline__ uint32_t activate_pair(float a, float b, const ActivationForm& f) {
+__device__ __forceinline__ uint32_t activate_packed(uint32_t v, const ActivationForm& f) {
   using M = PairMath<T>;
-  const uint32_t v = pack2<T>(a, b);
   const uint32_t x2 = M::min(M::mul(v, v), f.clamp);
   const uint32_t p = M::fma(M::fma(x2, f.p2, f.p1), x2, f.p0);
   const uint32_t t = M::tanh(M::fma(v, p, f.q));
   return M::mul(v, M::fma(t, f.half, f.half));
+}
+
+// act(a), act(b) rounded to T and packed (a in the low half), for a store.
+template <typename T>
+__device__ __forceinline__ uint32_t activate_pair(float a, float b, const ActivationForm& f) {
+  return activate_packed<T>(pack2<T>(a, b), f);
 }
 
 // ---- GELU's slope, two values at a time -----------------------------------------

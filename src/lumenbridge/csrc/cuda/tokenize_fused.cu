@@ -40,7 +40,6 @@ struct StageGemm {
   const T* dw_bias;
   PointwiseWeight<T> pw;
   int k_padded;  // Cin rounded up to kChannelGroup
-  ActivationForm act;
   TileOutput<T> output;
   T* saved_rows;  // tokenize_for_training: A's rows, [pixels, saved_width]; else null
   int saved_width;
@@ -97,9 +96,9 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   if (s.saved_rows != nullptr) save_depthwise_rows<T>(a_tile, padded_stride(s.k_padded), s, rows);
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
   if (s.pw.vector) {
-    gemm_tile<T, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+    gemm_tile<T, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride);
   } else {
-    gemm_tile<T, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, s.act, out_tile, out_stride);
+    gemm_tile<T, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride);
   }
   __syncthreads();
   write_tile<T>(out_tile, out_stride, s.output, rows);
@@ -730,8 +729,7 @@ void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, con
 
 // `saved`: where tokenize_for_training keeps the stage's depthwise rows (undefined for tokenize).
 template <typename T>
-StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOutput<T>& output,
-                        const at::Tensor& saved) {
+StageGemm<T> stage_gemm(const TokenizeStage& stage, const TileOutput<T>& output, const at::Tensor& saved) {
   StageGemm<T> g;
   g.dw_weight = stage.dw_weight.data_ptr<T>();
   g.dw_bias = stage.dw_bias.data_ptr<T>();
@@ -741,35 +739,41 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, Activation act, const TileOu
   g.pw.out_channels = static_cast<int>(stage.out_channels);
   g.pw.vector = stage.in_channels % 8 == 0 && aligned16(g.pw.weight);
   g.k_padded = round_up(static_cast<int>(stage.in_channels), kChannelGroup);
-  g.act = activation_form<T>(act);
   g.output = output;
   g.saved_rows = saved.defined() ? saved.data_ptr<T>() : nullptr;
   g.saved_width = saved.defined() ? static_cast<int>(saved.size(1)) : 0;
   return g;
 }
 
-// Where stage i writes: an intermediate NHWC tensor, or the tokens.
+// Where stage i writes: an intermediate NHWC tensor after the activation
+// (and, for tokenize_for_training, `saved_output` before it), or the tokens.
 template <typename T>
-TileOutput<T> tile_output(at::Tensor& out, const TokenizeStage& stage, bool last, const TokenizeProblem& p) {
+TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const TokenizeStage& stage, bool last,
+                          const TokenizeProblem& p) {
+  TORCH_INTERNAL_ASSERT(!(last && saved_output.defined()), "the last stage's output is recomputed");
   TileOutput<T> o;
   o.out = out.data_ptr<T>();
+  o.saved_output = saved_output.defined() ? saved_output.data_ptr<T>() : nullptr;
+  o.activated = !last;
+  o.act = activation_form<T>(p.activation);
   o.channels = static_cast<int>(stage.out_channels);
   o.plane = stage.out_h * stage.out_w;
   o.planes = last && p.format == TokenFormat::NCHW;
   o.norm_weight = last && p.has_token_norm() ? p.token_norm_weight.data_ptr<T>() : nullptr;
   o.norm_bias = last && p.has_token_norm() ? p.token_norm_bias.data_ptr<T>() : nullptr;
-  o.vector = stage.out_channels % 8 == 0 && aligned16(o.out) && aligned16(o.norm_weight) && aligned16(o.norm_bias);
+  o.vector = stage.out_channels % 8 == 0 && aligned16(o.out) && aligned16(o.saved_output) &&
+             aligned16(o.norm_weight) && aligned16(o.norm_bias);
   o.eps = static_cast<float>(p.eps);
   return o;
 }
 
 template <typename T, int K>
 void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
-                  const at::Tensor& saved) {
+                  const SavedStage& saved) {
   const TokenizeStage& s1 = p.stages[0];
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;
-  a.gemm = stage_gemm<T>(s2, last ? Activation::NONE : p.activation, tile_output<T>(out, s2, last, p), saved);
+  a.gemm = stage_gemm<T>(s2, tile_output<T>(out, saved.output, s2, last, p), saved.rows);
   a.images = images.data_ptr();
   a.uint8_input = p.uint8_input;
   a.nhwc = p.layout == Layout::NHWC;
@@ -813,12 +817,11 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
 
 template <typename T, int K>
 void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, at::Tensor& out, bool last,
-                  const at::Tensor& saved) {
+                  const SavedStage& saved) {
   const TokenizeStage& stage = p.stages[i];
   const TokenizeStage& before = p.stages[i - 1];
   StageArgs<T> a;
-  a.gemm =
-      stage_gemm<T>(stage, last ? Activation::NONE : p.activation, tile_output<T>(out, stage, last, p), saved);
+  a.gemm = stage_gemm<T>(stage, tile_output<T>(out, saved.output, stage, last, p), saved.rows);
   a.input = input.data_ptr<T>();
   a.H = static_cast<int>(before.out_h);
   a.W = static_cast<int>(before.out_w);
@@ -842,10 +845,11 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   }
 }
 
-// The tokens; with `saved` (stages 1 .. S - 1's rows, or empty) the kernels
-// also write each stage's depthwise rows into it.
+// The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
+// also write each later stage's depthwise rows and intermediate stages'
+// outputs before the activation into it.
 template <typename T, int K>
-at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedRows& saved) {
+at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
   at::Tensor tokens = new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
   const size_t S = p.stages.size();
   auto stage_output = [&](size_t i) {
@@ -853,12 +857,11 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const S
     const TokenizeStage& s = p.stages[i];
     return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, images.options().dtype(p.dtype));
   };
-  auto saved_rows = [&](size_t i) { return saved.empty() ? at::Tensor() : saved[i - 1]; };
   at::Tensor x = stage_output(1);
-  launch_first<T, K>(images, p, x, S == 2, saved_rows(1));
+  launch_first<T, K>(images, p, x, S == 2, saved.stage(1));
   for (size_t i = 2; i < S; ++i) {
     at::Tensor y = stage_output(i);
-    launch_stage<T, K>(x, p, i, y, i + 1 == S, saved_rows(i));
+    launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i));
     x = y;
   }
   return tokens;
@@ -909,7 +912,7 @@ bool fused_covers(const TokenizeProblem& p) {
   return fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty();
 }
 
-at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedRows& saved) {
+at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
   TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62) && p.H <= kMaxExtent && p.W <= kMaxExtent,
               "LumenBridge: images too large for the fused kernels, got ", text({p.N, p.C, p.H, p.W}));
   at::Tensor result;
@@ -928,20 +931,27 @@ at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, co
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
   if (!fused_covers(p)) return tokenize_composed(images, p, &cuda::depthwise_forward);
-  return tokenize_fused(images, p, {});
+  return tokenize_fused(images, p, SavedForward{});
 }
 
-std::tuple<at::Tensor, SavedRows> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
-  if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
-  SavedRows saved;
+  if (!fused_covers(p)) {
+    auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
+    return {tokens, saved.list()};
+  }
+  const at::TensorOptions options = images.options().dtype(p.dtype);
+  SavedForward saved;
   for (size_t i = 1; i < p.stages.size(); ++i) {
     const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
     TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0, "the fused kernels write the rows in 16-byte units");
-    saved.push_back(new_output(sizes, images.options().dtype(p.dtype), at::MemoryFormat::Contiguous));
+    saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
+    if (i + 1 < p.stages.size()) {
+      saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
+    }
   }
   at::Tensor tokens = tokenize_fused(images, p, saved);
-  return {tokens, saved};
+  return {tokens, saved.list()};
 }
 
 }  // namespace cuda

@@ -209,8 +209,8 @@ def saved_tensors(run):
 @pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])
 def test_what_the_forward_saves(uint8, native_ops):
     """tokenize saves its inputs alone; tokenize_for_training (the model's
-    training call) also each later stage's depthwise rows and each
-    intermediate stage's pointwise output: for lumenbridge-base at 64 x 64,
+    training call) also each stage's depthwise rows and each intermediate
+    stage's pointwise output: for lumenbridge-base at 64 x 64, 32^2 x 8 +
     16^2 x 104 + 8^2 x 200 + 4^2 x 392 and 16^2 x 192 + 8^2 x 384 values an
     image (the README states the 224 x 224 figure), under a third of what
     eager autograd saves."""
@@ -229,13 +229,15 @@ def test_what_the_forward_saves(uint8, native_ops):
 
     training = activations(lambda: native.tokenize(images, model))
     assert training[0].data_ptr() == images.data_ptr()
-    rows, outputs = training[1:4], training[4:]
-    widths = [torch.ops.lumenbridge.depthwise_row_width(c) for c in case.config.stage_widths[:-1]]
-    assert widths == [104, 200, 392]
-    assert [tuple(t.shape) for t in rows] == [(len(images) * s * s, w) for s, w in zip((16, 8, 4), widths)]
+    rows, outputs = training[1:5], training[5:]
+    in_channels = (case.config.in_chans, *case.config.stage_widths[:-1])
+    widths = [torch.ops.lumenbridge.depthwise_row_width(c) for c in in_channels]
+    assert widths == [8, 104, 200, 392]
+    assert [tuple(t.shape) for t in rows] == [(len(images) * s * s, w) for s, w in zip((32, 16, 8, 4), widths)]
     assert [tuple(t.shape) for t in outputs] == [(len(images) * 16 * 16, 192), (len(images) * 8 * 8, 384)]
     saved_per_image = sum(t.nbytes for t in training[1:]) // len(images)
-    assert saved_per_image == (16 * 16 * 104 + 8 * 8 * 200 + 4 * 4 * 392 + 16 * 16 * 192 + 8 * 8 * 384) * 4
+    rows_values = 32 * 32 * 8 + 16 * 16 * 104 + 8 * 8 * 200 + 4 * 4 * 392
+    assert saved_per_image == (rows_values + 16 * 16 * 192 + 8 * 8 * 384) * 4
     eager = saved_tensors(lambda: model.forward_layers(images, "reference"))
     eager_per_image = sum(t.nbytes for t in eager if t.data_ptr() not in parameters) // len(images)
     assert 3 * saved_per_image < eager_per_image
@@ -293,7 +295,7 @@ def as_rows(x):
 @pytest.mark.parametrize("device", device_params())
 def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dtype, device, poisoned, request):
     """Every element of what tokenize_for_training saves written (poisoned
-    outputs): each later stage's rows hold its depthwise output within 2x
+    outputs): each stage's rows hold its depthwise output within 2x
     PyTorch's own error in the dtype against float64, then exactly a one and
     zeros; each intermediate stage's saved output is its pointwise output
     before the norm and activation, within the same rule; and the tokens too
@@ -317,8 +319,8 @@ def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dt
     )
     pytorch, pytorch_pointwise = stage_outputs(low, low_images)
     stages = len(exact)
-    assert len(saved) == 2 * stages - 3
-    saved_rows, saved_outputs = saved[: stages - 1], saved[stages - 1 :]
+    assert len(saved) == 2 * stages - 2
+    saved_rows, saved_outputs = saved[:stages], saved[stages:]
     for output, p64, p in zip(saved_outputs, exact_pointwise[1:-1], pytorch_pointwise[1:-1], strict=True):
         flat64, flat = as_rows(p64), as_rows(p)
         assert output.shape == flat64.shape
@@ -328,7 +330,7 @@ def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dt
             floor=ROUNDING_FLOOR[dtype] * max(flat64.abs().max().item(), 1.0),
         )
         assert report.ok, (output.shape, report)
-    for rows, d64, d in zip(saved_rows, exact[1:], pytorch[1:], strict=True):
+    for rows, d64, d in zip(saved_rows, exact, pytorch, strict=True):
         cin = d64.shape[1]
         flat64, flat = as_rows(d64), as_rows(d)
         rows = rows.cpu().double()
@@ -359,9 +361,13 @@ def test_double_backward_raises_naming_the_op(native_ops):
         (lambda a: {"grad_tokens": a["grad_tokens"].double()}, "grad_tokens has dtype"),
         (lambda a: {"output_mask": [True, True]}, "uint8 images have no gradient"),
         (lambda a: {"activation": "tanh"}, "activation must be one of"),
-        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 5 tensors .* got 4"),
-        (lambda a: {"saved": [a["saved"][0][:-1], *a["saved"][1:]]}, r"saved\[0\] must have shape \[64, 16\]"),
-        (lambda a: {"saved": [*a["saved"][:4], a["saved"][4][:, :-1]]}, r"saved\[4\] must have shape \[16, 36\]"),
+        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 6 tensors .* got 5"),
+        (lambda a: {"saved": [a["saved"][0][:-1], *a["saved"][1:]]}, r"saved\[0\] must have shape \[256, 8\]"),
+        (
+            lambda a: {"saved": [a["saved"][0], a["saved"][1][:-1], *a["saved"][2:]]},
+            r"saved\[1\] must have shape \[64, 16\]",
+        ),
+        (lambda a: {"saved": [*a["saved"][:5], a["saved"][5][:, :-1]]}, r"saved\[5\] must have shape \[16, 36\]"),
         (lambda a: {"saved": [a["saved"][0].double(), *a["saved"][1:]]}, r"saved\[0\] has dtype Double"),
         (
             lambda a: {"saved": [a["saved"][0], a["saved"][1].t().contiguous().t(), *a["saved"][2:]]},

@@ -65,15 +65,15 @@ def _tokenize_fake(
 
 
 def _tokenize_for_training_fake(images, dw_weights, dw_biases, pw_weights, *args):
-    """The tokens, each later stage's depthwise rows [N * h * w, row width],
-    then each intermediate stage's pointwise output [N * h * w, Cout]."""
+    """The tokens, each stage's depthwise rows [N * h * w, row width], then
+    each intermediate stage's pointwise output [N * h * w, Cout]."""
     tokens = _tokenize_fake(images, dw_weights, dw_biases, pw_weights, *args)
     strides, padded_size = args[1], args[11]
     k, n = dw_weights[0].shape[-1], images.shape[0]
     pixels = [n * h * w for h, w in zip(*(stage_extents(e, k, strides) for e in padded_size), strict=True)]
     rows = [
         dw_weights[0].new_empty((m, ops.depthwise_row_width(weight.shape[0])))
-        for weight, m in zip(dw_weights[1:], pixels[1:], strict=True)
+        for weight, m in zip(dw_weights, pixels, strict=True)
     ]
     outputs = [
         dw_weights[0].new_empty((m, weight.shape[0])) for weight, m in zip(pw_weights[1:-1], pixels[1:-1], strict=True)

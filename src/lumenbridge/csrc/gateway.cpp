@@ -373,14 +373,14 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
 }
 
 // What tokenize_for_training saved, handed back: none, or what that op
-// returns (SavedForward's list: each later stage's rows, then each
-// intermediate stage's output).
+// returns (SavedForward's list: each stage's rows, then each intermediate
+// stage's output).
 void check_saved(const TokenizeProblem& p, at::TensorList saved, const at::Tensor& images) {
   if (saved.empty()) return;
   const size_t S = p.stages.size();
   TORCH_CHECK(saved.size() == SavedForward::list_size(S), "LumenBridge: saved must be empty or hold ",
               text(static_cast<int64_t>(SavedForward::list_size(S))),
-              " tensors (each later stage's depthwise rows, then each intermediate stage's output, as "
+              " tensors (each stage's depthwise rows, then each intermediate stage's output, as "
               "tokenize_for_training returns them), got ",
               text(static_cast<int64_t>(saved.size())));
   for (size_t k = 0; k < saved.size(); ++k) {
@@ -389,7 +389,7 @@ void check_saved(const TokenizeProblem& p, at::TensorList saved, const at::Tenso
     check_same_device(images, "images", t, name.c_str());
     TORCH_CHECK(t.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(t.scalar_type()),
                 " but the parameters have dtype ", text(p.dtype));
-    const std::vector<int64_t> expected = k + 1 < S ? depthwise_rows_sizes(p, k + 1) : saved_output_sizes(p, k + 2 - S);
+    const std::vector<int64_t> expected = k < S ? depthwise_rows_sizes(p, k) : saved_output_sizes(p, k + 1 - S);
     TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ", text(expected),
                 ", got ", text(t.sizes()));
     TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");

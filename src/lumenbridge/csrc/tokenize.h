@@ -162,11 +162,10 @@ struct BackwardKernels {
 };
 
 // ---- what the training forward saves -------------------------------------------
-// Each stage after the first's depthwise output d, as the backward's pointwise
-// GEMMs take it: rows [N * h * w, depthwise_row_width(Cin)] holding d's
+// Each stage's depthwise output d, as the backward's pointwise GEMMs take it: rows [N * h * w, depthwise_row_width(Cin)] holding d's
 // channels, a one (the bias's column), then zeros to a multiple of
 // kRowAlignment. With them the backward skips recomputing the depthwise
-// convolutions of those stages. A stage of fewer than kRowAlignment input
+// convolutions. A stage of fewer than kRowAlignment input
 // channels (the images') has rows of exactly kRowAlignment.
 // The CUDA kernels that read such narrow rows (cuda/depthwise_backward_both.cu,
 // cuda/pointwise_backward_narrow.cu) take up to kNarrowRowTerms of their
@@ -184,7 +183,7 @@ std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage);
 struct SavedStage {
   at::Tensor rows, output;
 };
-// What it saves for all: the rows of stages 1 .. S - 1 and the outputs of
+// What it saves for all: the rows of stages 0 .. S - 1 and the outputs of
 // stages 1 .. S - 2, or nothing (the backward recomputes them). The ops pass
 // it as one list, the rows first.
 using SavedList = std::vector<at::Tensor>;
@@ -192,10 +191,10 @@ struct SavedForward {
   std::vector<at::Tensor> rows, outputs;
 
   static SavedForward of(const SavedList& saved, size_t stages);
-  static size_t list_size(size_t stages) { return 2 * stages - 3; }
+  static size_t list_size(size_t stages) { return 2 * stages - 2; }
   SavedList list() const;
   bool empty() const { return rows.empty(); }
-  SavedStage stage(size_t i) const;  // i >= 1
+  SavedStage stage(size_t i) const;
 };
 
 // tokenize_for_training composed from the device's kernels and ATen: the

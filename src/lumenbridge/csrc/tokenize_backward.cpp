@@ -6,11 +6,11 @@
 // pointwise output p_i (before its norm; not the images' stage's where the
 // next stage reads it from rows, backward_reads_rows) and, for the weight
 // gradients, its depthwise output d_i, as GEMM rows. tokenize_for_training
-// returns the rows of d_i for every stage after the first and p_i for every
-// intermediate stage (SavedForward; written by the fused kernels as they go on
-// CUDA), which autograd keeps between forward and backward: then the
-// recompute is the images' stage and the last stage's GEMM alone. With
-// tokenize's own autograd (nothing saved) it recomputes all. Then, from the last stage down, it takes the stage's gradients:
+// returns the rows of d_i for every stage and p_i for every intermediate
+// stage (SavedForward; written by the fused kernels as they go on CUDA), which
+// autograd keeps between forward and backward: then the recompute is the last
+// stage's GEMM alone. With tokenize's own autograd (nothing saved) it
+// recomputes all. Then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
 //                                                               CUDA one kernel for
@@ -179,10 +179,10 @@ Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p,
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& s = p.stages[i];
     const bool last = i + 1 == p.stages.size();
-    const SavedStage given = i == 0 ? SavedStage{} : saved.stage(i);
-    at::Tensor rows_of_d = i == 0                ? kernels.images_depthwise_rows(images, p)
-                           : given.rows.defined() ? given.rows
-                                                  : depthwise_rows(pre, p, i, kernels);
+    const SavedStage given = saved.stage(i);
+    at::Tensor rows_of_d = given.rows.defined() ? given.rows
+                           : i == 0             ? kernels.images_depthwise_rows(images, p)
+                                                : depthwise_rows(pre, p, i, kernels);
     const bool kept = last || (keep_outputs && !backward_reads_rows(p, i + 1, keep_depthwise));
     const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
     at::Tensor output = given.output.defined()  ? from_rows(given.output, p.N, s.out_h, s.out_w)
@@ -324,7 +324,7 @@ std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage) 
 SavedForward SavedForward::of(const SavedList& saved, size_t stages) {
   if (saved.empty()) return {};
   TORCH_INTERNAL_ASSERT(saved.size() == list_size(stages), "the gateway checks the saved list");
-  return {SavedList(saved.begin(), saved.begin() + (stages - 1)), SavedList(saved.begin() + (stages - 1), saved.end())};
+  return {SavedList(saved.begin(), saved.begin() + stages), SavedList(saved.begin() + stages, saved.end())};
 }
 
 SavedList SavedForward::list() const {
@@ -335,7 +335,7 @@ SavedList SavedForward::list() const {
 
 SavedStage SavedForward::stage(size_t i) const {
   if (empty()) return {};
-  return {rows[i - 1], i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
+  return {rows[i], i >= 1 && i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
 }
 
 std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
@@ -345,9 +345,9 @@ std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Te
   const size_t S = p.stages.size();
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
   SavedForward saved;
-  for (size_t i = 1; i < S; ++i) {
+  for (size_t i = 0; i < S; ++i) {
     saved.rows.push_back(std::move(forward.depthwise[i]));
-    if (i + 1 < S) saved.outputs.push_back(rows(forward.outputs[i]));
+    if (i >= 1 && i + 1 < S) saved.outputs.push_back(rows(forward.outputs[i]));
   }
   return {tokens, saved};
 }

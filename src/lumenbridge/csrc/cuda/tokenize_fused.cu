@@ -370,6 +370,7 @@ struct FirstArgs {
   const T* dw1_bias;
   const T* pw1_weight;  // [C1, C0]
   const T* pw1_bias;
+  T* saved_rows1;       // tokenize_for_training: the stage-1 depthwise rows, [N * H1 * W1, 8]; else null
   int C1, H1, W1;       // stage-1 outputs
   int H2, W2, tiles_y, tiles_x, tiles;
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
@@ -443,19 +444,25 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
 // rounding PyTorch applies between the two convolutions), channels past C0
 // and rows past the window zero: the A operand of the stage-1 pointwise step.
-// `inside` records which window positions lie in the stage-1 extent. The taps
+// `inside` records which window positions lie in the stage-1 extent. For
+// tokenize_for_training the positions the tile owns (the window less stage
+// 2's halo: the tiles partition the extent) also go to the saved rows, with
+// the one in column C0, as the backward's images_depthwise_rows computes them
+// (the same sums in the same order). The taps
 // come from shared memory ([K * K + 1][kMaxImageChannels] float, bias last):
 // read from the weight tensor, each would be a global load and a conversion
 // per tap and position.
 template <typename T, int K>
 __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
-                                 int padded_rows, int y_origin, int x_origin) {
+                                 int padded_rows, int64_t n, int y_origin, int x_origin) {
   const int win1 = a.win1_h * a.win1_w, win0 = a.win0_h * a.win0_w;
   GridCursor at(a.win1_w);
   for (int q = threadIdx.x; q < padded_rows; q += kThreads, at.advance()) {
     float out[8] = {};
     const int y = at.row, x = at.column;
-    inside[q] = q < win1 && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
+    const bool in_extent =
+        q < win1 && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
+    inside[q] = in_extent;
     if (q < win1) {
 #pragma unroll
       for (int c = 0; c < kMaxImageChannels; ++c) {
@@ -472,7 +479,14 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
         out[c] = acc;
       }
     }
-    *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
+    uint4 row = pack8<T>(out);
+    *reinterpret_cast<uint4*>(d1 + q * 8) = row;
+    const int span = kTile * a.stride2, pad = K / 2;
+    if (a.saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
+      reinterpret_cast<T*>(&row)[a.C0] = T(1.0f);
+      const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
+      *reinterpret_cast<uint4*>(a.saved_rows1 + pixel * 8) = row;
+    }
   }
 }
 
@@ -633,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     }
     __syncthreads();
 
-    stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, y1_origin, x1_origin);
+    stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, n, y1_origin, x1_origin);
     __syncthreads();
 
     stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
@@ -769,7 +783,7 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
 
 template <typename T, int K>
 void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
-                  const SavedStage& saved) {
+                  const at::Tensor& saved_rows1, const SavedStage& saved) {
   const TokenizeStage& s1 = p.stages[0];
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;
@@ -788,6 +802,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.dw1_bias = s1.dw_bias.data_ptr<T>();
   a.pw1_weight = s1.pw_weight.data_ptr<T>();
   a.pw1_bias = s1.pw_bias.data_ptr<T>();
+  a.saved_rows1 = saved_rows1.defined() ? saved_rows1.data_ptr<T>() : nullptr;
   a.C1 = static_cast<int>(s1.out_channels);
   a.H1 = static_cast<int>(s1.out_h);
   a.W1 = static_cast<int>(s1.out_w);
@@ -846,8 +861,8 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
 }
 
 // The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
-// also write each later stage's depthwise rows and intermediate stages'
-// outputs before the activation into it.
+// also write each stage's depthwise rows and intermediate stages' outputs
+// before the activation into it.
 template <typename T, int K>
 at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
   at::Tensor tokens = new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
@@ -858,7 +873,7 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const S
     return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, images.options().dtype(p.dtype));
   };
   at::Tensor x = stage_output(1);
-  launch_first<T, K>(images, p, x, S == 2, saved.stage(1));
+  launch_first<T, K>(images, p, x, S == 2, saved.stage(0).rows, saved.stage(1));
   for (size_t i = 2; i < S; ++i) {
     at::Tensor y = stage_output(i);
     launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i));
@@ -942,11 +957,12 @@ std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images
   }
   const at::TensorOptions options = images.options().dtype(p.dtype);
   SavedForward saved;
-  for (size_t i = 1; i < p.stages.size(); ++i) {
+  for (size_t i = 0; i < p.stages.size(); ++i) {
     const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
-    TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0, "the fused kernels write the rows in 16-byte units");
+    TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
+                          "the fused kernels write the rows in 16-byte units, the images' stage's in one");
     saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
-    if (i + 1 < p.stages.size()) {
+    if (i >= 1 && i + 1 < p.stages.size()) {
       saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
     }
   }

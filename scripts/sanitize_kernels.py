@@ -16,10 +16,11 @@ Then the fused tokenize kernels, on the shared sample cases
 input kind, layout, output format and odd width) in bfloat16, the base
 preset in float16, and the cases whose persistent blocks walk several tiles
 (many_tile_cases), each through tokenize and through tokenize_for_training
-(which also writes the depthwise rows). Last, the tokenize backward (composed
-over the depthwise kernels, in the tokenizer's channels-last shapes, 3-channel
-images included) on the same cases in bfloat16, with the rows
-tokenize_for_training saved and recomputing everything after tokenize.
+(which also writes every stage's depthwise rows and the intermediate stages'
+outputs). Last, the tokenize backward (composed over the depthwise kernels,
+in the tokenizer's channels-last shapes, 3-channel images included) on the
+same cases in bfloat16, with what tokenize_for_training saved and
+recomputing everything after tokenize.
 --parts picks which of the three groups run
 (default: all), so a tool's report can be traced to one of them.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py

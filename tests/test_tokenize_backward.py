@@ -151,10 +151,10 @@ def test_opcheck(device, native_ops):
         case = case_named(name)
         model = case.model().to(device, dtype)
         args = detached(native.tokenize_arguments(case.images().to(device), model))
-        tokens, saved = lib.tokenize_for_training(*args)
+        tokens, rows, outputs = lib.tokenize_for_training(*args)
         grad = torch.randn_like(tokens)
-        for rows in ([], saved):
-            torch.library.opcheck(lib.tokenize_backward.default, (grad, *args, rows, mask))
+        for saved in (([], []), (rows, outputs)):
+            torch.library.opcheck(lib.tokenize_backward.default, (grad, *args, *saved, mask))
         if forward_too:
             for forward in (lib.tokenize.default, lib.tokenize_for_training.default):
                 torch.library.opcheck(forward, detached(args, requires_grad=True))
@@ -165,12 +165,13 @@ def test_the_training_ops_fake_gives_its_shapes(case, native_ops):
     """tokenize_for_training's fake kernel against the op on every sample case
     (strides of 1, odd sizes, padding, two and three stages)."""
     args = native.tokenize_arguments(case.images(), case.model())
-    tokens, saved = torch.ops.lumenbridge.tokenize_for_training(*args)
+    tokens, rows, outputs = torch.ops.lumenbridge.tokenize_for_training(*args)
     with FakeTensorMode() as mode:
         fake_args = pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
-        fake_tokens, fake_saved = torch.ops.lumenbridge.tokenize_for_training(*fake_args)
+        fake_tokens, fake_rows, fake_outputs = torch.ops.lumenbridge.tokenize_for_training(*fake_args)
     assert fake_tokens.shape == tokens.shape
-    assert [t.shape for t in fake_saved] == [t.shape for t in saved]
+    assert [t.shape for t in fake_rows] == [t.shape for t in rows]
+    assert [t.shape for t in fake_outputs] == [t.shape for t in outputs]
 
 
 def all_gradients(model, images):
@@ -308,7 +309,7 @@ def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dt
     low_images = images.to(device) if images.dtype == torch.uint8 else images.to(device, dtype)
     args = native.tokenize_arguments(low_images, low)
     with torch.no_grad():
-        tokens, saved = torch.ops.lumenbridge.tokenize_for_training(*args)
+        tokens, saved_rows, saved_outputs = torch.ops.lumenbridge.tokenize_for_training(*args)
         plain = torch.ops.lumenbridge.tokenize(*args)
     if device == "cuda" and native.tokenize_path(device, case.config, dtype) == "fused":
         assert torch.equal(tokens, plain)
@@ -318,9 +319,7 @@ def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dt
         copy.deepcopy(model).double(), images if images.dtype == torch.uint8 else images.double()
     )
     pytorch, pytorch_pointwise = stage_outputs(low, low_images)
-    stages = len(exact)
-    assert len(saved) == 2 * stages - 2
-    saved_rows, saved_outputs = saved[:stages], saved[stages:]
+    assert len(saved_rows) == len(exact) and len(saved_outputs) == len(exact) - 2
     for output, p64, p in zip(saved_outputs, exact_pointwise[1:-1], pytorch_pointwise[1:-1], strict=True):
         flat64, flat = as_rows(p64), as_rows(p)
         assert output.shape == flat64.shape
@@ -361,17 +360,30 @@ def test_double_backward_raises_naming_the_op(native_ops):
         (lambda a: {"grad_tokens": a["grad_tokens"].double()}, "grad_tokens has dtype"),
         (lambda a: {"output_mask": [True, True]}, "uint8 images have no gradient"),
         (lambda a: {"activation": "tanh"}, "activation must be one of"),
-        (lambda a: {"saved": a["saved"][1:]}, r"saved must be empty or hold 6 tensors .* got 5"),
-        (lambda a: {"saved": [a["saved"][0][:-1], *a["saved"][1:]]}, r"saved\[0\] must have shape \[256, 8\]"),
         (
-            lambda a: {"saved": [a["saved"][0], a["saved"][1][:-1], *a["saved"][2:]]},
-            r"saved\[1\] must have shape \[64, 16\]",
+            lambda a: {"saved_rows": a["saved_rows"][1:]},
+            r"saved_rows and saved_outputs must both be empty or hold 4 and 2 tensors .* got 3 and 2",
         ),
-        (lambda a: {"saved": [*a["saved"][:5], a["saved"][5][:, :-1]]}, r"saved\[5\] must have shape \[16, 36\]"),
-        (lambda a: {"saved": [a["saved"][0].double(), *a["saved"][1:]]}, r"saved\[0\] has dtype Double"),
+        (lambda a: {"saved_outputs": []}, r"must both be empty or hold 4 and 2 tensors .* got 4 and 0"),
         (
-            lambda a: {"saved": [a["saved"][0], a["saved"][1].t().contiguous().t(), *a["saved"][2:]]},
-            r"saved\[1\] must be contiguous",
+            lambda a: {"saved_rows": [a["saved_rows"][0][:-1], *a["saved_rows"][1:]]},
+            r"saved_rows\[0\] must have shape \[256, 8\]",
+        ),
+        (
+            lambda a: {"saved_rows": [a["saved_rows"][0], a["saved_rows"][1][:-1], *a["saved_rows"][2:]]},
+            r"saved_rows\[1\] must have shape \[64, 16\]",
+        ),
+        (
+            lambda a: {"saved_outputs": [a["saved_outputs"][0], a["saved_outputs"][1][:, :-1]]},
+            r"saved_outputs\[1\] must have shape \[16, 36\]",
+        ),
+        (
+            lambda a: {"saved_rows": [a["saved_rows"][0].double(), *a["saved_rows"][1:]]},
+            r"saved_rows\[0\] has dtype Double",
+        ),
+        (
+            lambda a: {"saved_outputs": [a["saved_outputs"][0].t().contiguous().t(), a["saved_outputs"][1]]},
+            r"saved_outputs\[0\] must be contiguous",
         ),
     ],
 )
@@ -386,8 +398,8 @@ def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gateway_rejects_saved_tensors_on_another_device(cuda_kernels):
     args = narrow_backward_arguments("cuda")
-    args["saved"][1] = args["saved"][1].cpu()
-    with pytest.raises(RuntimeError, match=r"LumenBridge: saved\[1\] is on cpu but images is on cuda"):
+    args["saved_outputs"][1] = args["saved_outputs"][1].cpu()
+    with pytest.raises(RuntimeError, match=r"LumenBridge: saved_outputs\[1\] is on cpu but images is on cuda"):
         cuda_kernels.tokenize_backward(**args)
 
 
@@ -399,8 +411,14 @@ def narrow_backward_arguments(device: str) -> dict:
     images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
     names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
     args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))
-    tokens, saved = torch.ops.lumenbridge.tokenize_for_training(**args)
-    return {**args, "grad_tokens": torch.ones_like(tokens), "saved": list(saved), "output_mask": [False, True]}
+    tokens, rows, outputs = torch.ops.lumenbridge.tokenize_for_training(**args)
+    return {
+        **args,
+        "grad_tokens": torch.ones_like(tokens),
+        "saved_rows": list(rows),
+        "saved_outputs": list(outputs),
+        "output_mask": [False, True],
+    }
 
 
 # ---- the model trains through the op ----------------------------------------------

@@ -78,7 +78,7 @@ def _tokenize_for_training_fake(images, dw_weights, dw_biases, pw_weights, *args
     outputs = [
         dw_weights[0].new_empty((m, weight.shape[0])) for weight, m in zip(pw_weights[1:-1], pixels[1:-1], strict=True)
     ]
-    return tokens, rows + outputs
+    return tokens, rows, outputs
 
 
 def _tokenize_backward_fake(
@@ -100,7 +100,8 @@ def _tokenize_backward_fake(
     std,
     padded_size,
     output_fmt,
-    saved,
+    saved_rows,
+    saved_outputs,
     output_mask,
 ):
     images_grad, parameters_grad = output_mask
@@ -121,49 +122,48 @@ def _tokenize_backward_fake(
     )
 
 
-def _save_inputs(ctx, inputs, saved_forward):
+def _save_inputs(ctx, inputs, saved_rows, saved_outputs):
     """Save the inputs and what tokenize_for_training returned besides the
     tokens (nothing for tokenize): the backward recomputes the rest."""
     images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
     norm_weights, norm_biases, token_w, token_b = inputs[8:12]
     ctx.save_for_backward(
         images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b,
-        *saved_forward,
+        *saved_rows, *saved_outputs,
     )  # fmt: skip
-    ctx.counts = len(dw_weights), len(norm_weights), len(saved_forward)
+    ctx.counts = len(dw_weights), len(norm_weights), len(saved_rows), len(saved_outputs)
     ctx.options = inputs[5:8], inputs[12:]  # (strides, activation, stage_norm), (eps, ..., output_fmt)
 
 
 def _tokenize_setup(ctx, inputs, output):
-    _save_inputs(ctx, inputs, [])
+    _save_inputs(ctx, inputs, [], [])
 
 
 def _tokenize_for_training_setup(ctx, inputs, output):
-    _, saved_forward = output
-    ctx.mark_non_differentiable(*saved_forward)
+    _, saved_rows, saved_outputs = output
+    ctx.mark_non_differentiable(*saved_rows, *saved_outputs)
     # What is saved gets no gradient: without this, autograd would hand the
     # backward zeros of its sizes (about 750 MB at B = 256 for lumenbridge-base).
     ctx.set_materialize_grads(False)
-    _save_inputs(ctx, inputs, saved_forward)
+    _save_inputs(ctx, inputs, saved_rows, saved_outputs)
 
 
 def _tokenize_backward(ctx, grad):
-    stages, norms, forward_count = ctx.counts
+    stages, norms, row_count, output_count = ctx.counts
     images, *saved = ctx.saved_tensors
-    saved, saved_forward = saved[: len(saved) - forward_count], saved[len(saved) - forward_count :]
     groups = []
-    for length in (stages, stages, stages, stages, norms, norms):
+    for length in (stages, stages, stages, stages, norms, norms, 2, row_count, output_count):
         groups.append(saved[:length])
         saved = saved[length:]
+    *groups, (token_w, token_b), saved_rows, saved_outputs = groups
     dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases = groups
-    token_w, token_b = saved
     stage_options, other_options = ctx.options
     needs = ctx.needs_input_grad
     parameters_grad = any(any(n) if isinstance(n, list) else n for n in (*needs[1:5], *needs[8:12]))
     mask = [needs[0], parameters_grad]
     grads = ops.tokenize_backward(
         grad, images, dw_weights, dw_biases, pw_weights, pw_biases, *stage_options,
-        norm_weights, norm_biases, token_w, token_b, *other_options, saved_forward, mask,
+        norm_weights, norm_biases, token_w, token_b, *other_options, saved_rows, saved_outputs, mask,
     )  # fmt: skip
     grad_images, *parameter_grads, grad_token_norm = grads
     if not parameters_grad:
@@ -175,9 +175,9 @@ def _tokenize_backward(ctx, grad):
     return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
 
 
-def _tokenize_for_training_backward(ctx, grad, _grad_saved_forward):
+def _tokenize_for_training_backward(ctx, grad, _grad_saved_rows, _grad_saved_outputs):
     if grad is None:  # no gradient reached the tokens (gradients are not materialized)
-        stages, norms, _ = ctx.counts
+        stages, norms, _, _ = ctx.counts
         no_stage, no_norm = [None] * stages, [None] * norms
         return None, no_stage, no_stage, no_stage, no_stage, None, None, None, no_norm, no_norm, *(None,) * 7
     return _tokenize_backward(ctx, grad)

@@ -372,35 +372,45 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
                                        std::string(output_fmt)));
 }
 
-// What tokenize_for_training saved, handed back: none, or what that op
-// returns (SavedForward's list: each stage's rows, then each intermediate
-// stage's output).
-void check_saved(const TokenizeProblem& p, at::TensorList saved, const at::Tensor& images) {
-  if (saved.empty()) return;
-  const size_t S = p.stages.size();
-  TORCH_CHECK(saved.size() == SavedForward::list_size(S), "LumenBridge: saved must be empty or hold ",
-              text(static_cast<int64_t>(SavedForward::list_size(S))),
-              " tensors (each stage's depthwise rows, then each intermediate stage's output, as "
-              "tokenize_for_training returns them), got ",
-              text(static_cast<int64_t>(saved.size())));
+// One list tokenize_for_training saved, handed back: entry k has sizes(k).
+template <typename Sizes>
+void check_saved_list(const TokenizeProblem& p, at::TensorList saved, const char* list, Sizes sizes,
+                      const at::Tensor& images) {
   for (size_t k = 0; k < saved.size(); ++k) {
     const at::Tensor& t = saved[k];
-    const std::string name = "saved[" + text(static_cast<int64_t>(k)) + "]";
+    const std::string name = std::string(list) + "[" + text(static_cast<int64_t>(k)) + "]";
     check_same_device(images, "images", t, name.c_str());
     TORCH_CHECK(t.scalar_type() == p.dtype, "LumenBridge: ", name, " has dtype ", text(t.scalar_type()),
                 " but the parameters have dtype ", text(p.dtype));
-    const std::vector<int64_t> expected = k < S ? depthwise_rows_sizes(p, k) : saved_output_sizes(p, k + 1 - S);
+    const std::vector<int64_t> expected = sizes(k);
     TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), "LumenBridge: ", name, " must have shape ", text(expected),
                 ", got ", text(t.sizes()));
     TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
   }
 }
 
+// What tokenize_for_training saved, handed back: nothing, or what that op
+// returned: each stage's depthwise rows and each intermediate stage's output.
+void check_saved(const TokenizeProblem& p, at::TensorList saved_rows, at::TensorList saved_outputs,
+                 const at::Tensor& images) {
+  const size_t S = p.stages.size();
+  const bool none = saved_rows.empty() && saved_outputs.empty();
+  TORCH_CHECK(none || (saved_rows.size() == S && saved_outputs.size() == S - 2),
+              "LumenBridge: saved_rows and saved_outputs must both be empty or hold ", text(static_cast<int64_t>(S)),
+              " and ", text(static_cast<int64_t>(S) - 2),
+              " tensors (each stage's depthwise rows, each intermediate stage's output, as "
+              "tokenize_for_training returns them), got ",
+              text(static_cast<int64_t>(saved_rows.size())), " and ", text(static_cast<int64_t>(saved_outputs.size())));
+  check_saved_list(p, saved_rows, "saved_rows", [&](size_t k) { return depthwise_rows_sizes(p, k); }, images);
+  check_saved_list(p, saved_outputs, "saved_outputs", [&](size_t k) { return saved_output_sizes(p, k + 1); }, images);
+}
+
 // tokenize_backward takes tokenize's arguments plus the gradient of its output,
 // what tokenize_for_training saved (or nothing) and which gradients to
 // compute: output_mask = [images, parameters].
 TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
-                                        TokenizeProblem p, at::TensorList saved, std::array<bool, 2> output_mask) {
+                                        TokenizeProblem p, at::TensorList saved_rows,
+                                        at::TensorList saved_outputs, std::array<bool, 2> output_mask) {
   check_same_device(images, "images", grad_tokens, "grad_tokens");
   TORCH_CHECK(grad_tokens.scalar_type() == p.dtype, "LumenBridge: grad_tokens has dtype ",
               text(grad_tokens.scalar_type()), " but the tokens have the parameters' dtype ", text(p.dtype));
@@ -408,7 +418,7 @@ TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at:
               text(grad_tokens.sizes()), " but the tokens have shape ", text(p.output_sizes()));
   TORCH_CHECK(!(output_mask[0] && p.uint8_input),
               "LumenBridge: uint8 images have no gradient; output_mask[0] must be false for them");
-  check_saved(p, saved, images);
+  check_saved(p, saved_rows, saved_outputs, images);
   return p;
 }
 
@@ -423,15 +433,16 @@ tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images,
                         const c10::optional<at::Tensor>& token_norm_weight,
                         const c10::optional<at::Tensor>& token_norm_bias, double eps,
                         at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
-                        c10::string_view output_fmt, at::TensorList saved, std::array<bool, 2> output_mask) {
+                        c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
+                        std::array<bool, 2> output_mask) {
   const TokenizeProblem p = check_tokenize_backward(
       grad_tokens, images,
       check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
                      std::string(stage_norm), norm_weights, norm_biases, token_norm_weight, token_norm_bias,
                      eps, mean, std, padded_size, std::string(output_fmt)),
-      saved, output_mask);
+      saved_rows, saved_outputs, output_mask);
   TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]},
-                           SavedForward::of(saved.vec(), p.stages.size()));
+                           SavedForward{saved_rows.vec(), saved_outputs.vec()});
   std::vector<at::Tensor> grad_images, token_norm;
   if (g.images.defined()) grad_images.push_back(g.images);
   if (g.token_norm_weight.defined()) token_norm = {g.token_norm_weight, g.token_norm_bias};
@@ -517,12 +528,14 @@ TORCH_LIBRARY(lumenbridge, m) {
       "tokenize_for_training(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
       "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
       "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> (Tensor tokens, Tensor[] saved)");
+      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> "
+      "(Tensor tokens, Tensor[] saved_rows, Tensor[] saved_outputs)");
   m.def(
       "tokenize_backward(Tensor grad_tokens, Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, "
       "Tensor[] pw_weights, Tensor[] pw_biases, int[] strides, str activation, str stage_norm, "
       "Tensor[] norm_weights, Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, "
-      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, Tensor[] saved, "
+      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, Tensor[] saved_rows, "
+      "Tensor[] saved_outputs, "
       "bool[2] output_mask) -> "
       "(Tensor[] grad_images, Tensor[] grad_dw_weights, Tensor[] grad_dw_biases, Tensor[] grad_pw_weights, "
       "Tensor[] grad_pw_biases, Tensor[] grad_norm_weights, Tensor[] grad_norm_biases, "
@@ -543,8 +556,6 @@ TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("tokenize_for_training", &tokenize_entry<cpu::tokenize_for_training>);
   m.impl("tokenize_backward", &tokenize_backward_entry<cpu::tokenize_backward>);
 }
-
-using TrainingResult = std::tuple<at::Tensor, SavedList>;
 
 TORCH_LIBRARY_IMPL(lumenbridge, AutocastCPU, m) {
   m.impl("tokenize", &tokenize_autocast<c10::DeviceType::CPU, kTokenize, at::Tensor>);

@@ -184,18 +184,15 @@ struct SavedStage {
   at::Tensor rows, output;
 };
 // What it saves for all: the rows of stages 0 .. S - 1 and the outputs of
-// stages 1 .. S - 2, or nothing (the backward recomputes them). The ops pass
-// it as one list, the rows first.
-using SavedList = std::vector<at::Tensor>;
+// stages 1 .. S - 2, or nothing (the backward recomputes them); the ops take
+// and return them as the lists saved_rows and saved_outputs.
 struct SavedForward {
   std::vector<at::Tensor> rows, outputs;
 
-  static SavedForward of(const SavedList& saved, size_t stages);
-  static size_t list_size(size_t stages) { return 2 * stages - 2; }
-  SavedList list() const;
   bool empty() const { return rows.empty(); }
   SavedStage stage(size_t i) const;
 };
+using TrainingResult = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>;
 
 // tokenize_for_training composed from the device's kernels and ATen: the
 // backward's recompute, kept (tokenize_backward.cpp).
@@ -213,14 +210,14 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
 namespace cpu {
 BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
-std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
+TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
                                 const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved);
 }  // namespace cpu
 namespace cuda {
 BackwardKernels backward_kernels();
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p);
-std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
+TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p);
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,
                                 const TokenizeProblem& p, TokenizeGradMask mask, const SavedForward& saved);
 // Why the fused kernels do not cover a configuration ("" when they do); the

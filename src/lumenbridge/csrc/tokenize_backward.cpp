@@ -321,18 +321,6 @@ std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage) 
   return {p.N * s.out_h * s.out_w, s.out_channels};
 }
 
-SavedForward SavedForward::of(const SavedList& saved, size_t stages) {
-  if (saved.empty()) return {};
-  TORCH_INTERNAL_ASSERT(saved.size() == list_size(stages), "the gateway checks the saved list");
-  return {SavedList(saved.begin(), saved.begin() + stages), SavedList(saved.begin() + stages, saved.end())};
-}
-
-SavedList SavedForward::list() const {
-  SavedList all = rows;
-  all.insert(all.end(), outputs.begin(), outputs.end());
-  return all;
-}
-
 SavedStage SavedForward::stage(size_t i) const {
   if (empty()) return {};
   return {rows[i], i >= 1 && i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
@@ -425,9 +413,9 @@ std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(const at::Te
   return images_depthwise_backward_weight_composed(grad_depthwise, images, p, backward_kernels());
 }
 
-std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
-  return {tokens, saved.list()};
+  return {tokens, saved.rows, saved.outputs};
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

@@ -949,11 +949,11 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
   return tokenize_fused(images, p, SavedForward{});
 }
 
-std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
+TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
   if (!fused_covers(p)) {
     auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
-    return {tokens, saved.list()};
+    return {tokens, saved.rows, saved.outputs};
   }
   const at::TensorOptions options = images.options().dtype(p.dtype);
   SavedForward saved;
@@ -967,7 +967,7 @@ std::tuple<at::Tensor, SavedList> tokenize_for_training(const at::Tensor& images
     }
   }
   at::Tensor tokens = tokenize_fused(images, p, saved);
-  return {tokens, saved.list()};
+  return {tokens, saved.rows, saved.outputs};
 }
 
 }  // namespace cuda

@@ -89,6 +89,43 @@ def test_gradients_for_other_image_channel_counts(channels, stage_norm, device, 
     assert_within(compare_gradients_to_float64(model, images, op, torch.bfloat16, device))
 
 
+def plain_op(model, images):
+    """The op that saves nothing: its backward recomputes the whole forward
+    (on CUDA each later stage's depthwise gradient may take the memory of its
+    input, the only reference the stage loop holds)."""
+    return torch.ops.lumenbridge.tokenize(*native.tokenize_arguments(images, model))
+
+
+@pytest.mark.parametrize("kernel_size", [3, 5])
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_of_the_op_that_saves_nothing(kernel_size, device, native_ops, request):
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    model = VisualTokenizer(dataclasses.replace(NARROW, kernel_size=kernel_size), seed=0)
+    images = torch.randn(2, 3, 48, 40)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_within(compare_gradients_to_float64(model, images, plain_op, dtype, device))
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [(16,), (4, 8, 16), (16, 4, 8, 16)],
+    ids=["one-stage", "narrow-first-stage", "narrow-middle-stage"],
+)
+@pytest.mark.parametrize("device", device_params())
+def test_gradients_with_one_stage_or_a_narrow_stage(widths, device, native_ops, request):
+    """What tokenize_for_training saves for one stage (its rows, no output),
+    and for a stage of fewer than 8 channels after the first (its output
+    saved, though the next stage's backward would read its rows)."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    config = dataclasses.replace(NARROW, embed_dim=widths[-1], stage_widths=widths, strides=(2,) * len(widths))
+    model = VisualTokenizer(config, seed=0)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_within(compare_gradients_to_float64(model, images, op, dtype, device))
+
+
 def floating_tensors(args):
     """tokenize's floating tensor arguments, flat, and how to put others in their place."""
     leaves, spec = pytree.tree_flatten(args)

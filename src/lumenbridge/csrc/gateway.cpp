@@ -395,9 +395,10 @@ void check_saved(const TokenizeProblem& p, at::TensorList saved_rows, at::Tensor
                  const at::Tensor& images) {
   const size_t S = p.stages.size();
   const bool none = saved_rows.empty() && saved_outputs.empty();
-  TORCH_CHECK(none || (saved_rows.size() == S && saved_outputs.size() == S - 2),
+  const size_t outputs = SavedForward::output_count(S);
+  TORCH_CHECK(none || (saved_rows.size() == S && saved_outputs.size() == outputs),
               "LumenBridge: saved_rows and saved_outputs must both be empty or hold ", text(static_cast<int64_t>(S)),
-              " and ", text(static_cast<int64_t>(S) - 2),
+              " and ", text(static_cast<int64_t>(outputs)),
               " tensors (each stage's depthwise rows, each intermediate stage's output, as "
               "tokenize_for_training returns them), got ",
               text(static_cast<int64_t>(saved_rows.size())), " and ", text(static_cast<int64_t>(saved_outputs.size())));

@@ -162,11 +162,12 @@ struct BackwardKernels {
 };
 
 // ---- what the training forward saves -------------------------------------------
-// Each stage's depthwise output d, as the backward's pointwise GEMMs take it: rows [N * h * w, depthwise_row_width(Cin)] holding d's
-// channels, a one (the bias's column), then zeros to a multiple of
-// kRowAlignment. With them the backward skips recomputing the depthwise
-// convolutions. A stage of fewer than kRowAlignment input
-// channels (the images') has rows of exactly kRowAlignment.
+// Each stage's depthwise output d, as the backward's pointwise GEMMs take it:
+// rows [N * h * w, depthwise_row_width(Cin)] holding d's channels, a one (the
+// bias's column), then zeros to a multiple of kRowAlignment. With them the
+// backward skips recomputing the depthwise convolutions. A stage of fewer
+// than kRowAlignment input channels (the images') has rows of exactly
+// kRowAlignment.
 // The CUDA kernels that read such narrow rows (cuda/depthwise_backward_both.cu,
 // cuda/pointwise_backward_narrow.cu) take up to kNarrowRowTerms of their
 // columns: up to three channels (RGB images) and the ones column.
@@ -184,11 +185,14 @@ struct SavedStage {
   at::Tensor rows, output;
 };
 // What it saves for all: the rows of stages 0 .. S - 1 and the outputs of
-// stages 1 .. S - 2, or nothing (the backward recomputes them); the ops take
-// and return them as the lists saved_rows and saved_outputs.
+// the intermediate stages 1 .. S - 2, or nothing (the backward recomputes
+// them); the ops take and return them as the lists saved_rows and
+// saved_outputs.
 struct SavedForward {
   std::vector<at::Tensor> rows, outputs;
 
+  static bool saves_output(size_t stage, size_t stages) { return stage >= 1 && stage + 1 < stages; }
+  static size_t output_count(size_t stages) { return stages > 2 ? stages - 2 : 0; }
   bool empty() const { return rows.empty(); }
   SavedStage stage(size_t i) const;
 };

@@ -8,9 +8,9 @@
 // gradients, its depthwise output d_i, as GEMM rows. tokenize_for_training
 // returns the rows of d_i for every stage and p_i for every intermediate
 // stage (SavedForward; written by the fused kernels as they go on CUDA), which
-// autograd keeps between forward and backward: then the recompute is the last
-// stage's GEMM alone. With tokenize's own autograd (nothing saved) it
-// recomputes all. Then, from the last stage down, it takes the stage's gradients:
+// autograd keeps between forward and backward: then the recompute is the
+// GEMMs of the last stage and, where the backward reads it, the first. With
+// tokenize's own autograd (nothing saved) it recomputes all. Then, from the last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
 //                                                               CUDA one kernel for
@@ -161,19 +161,23 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
   return nhwc.contiguous().permute({0, 3, 1, 2});
 }
 
-// The forward once more: each stage's pointwise output (before its norm;
-// with keep_outputs false, the last stage's only, the others released as the
-// next stage takes them; none where the backward reads the next stage's
-// input from rows) and, for the pointwise weight gradients, its
-// depthwise output as the GEMMs' rows (a quarter of the pointwise outputs'
-// bytes at the presets' widths, kept rather than recomputed), each taken
-// from `saved` where the training forward saved it.
+// Which stages' pointwise outputs the forward below keeps besides the last
+// stage's: those tokenize_for_training saves, or those the backward reads
+// (not where it reads the next stage's input from rows).
+enum class KeptOutputs { SAVED, READ };
+
+// The forward once more: the kept stages' pointwise outputs (before their
+// norms; the others released as the next stage takes them) and, for the
+// pointwise weight gradients, each stage's depthwise output as the GEMMs'
+// rows (a quarter of the pointwise outputs' bytes at the presets' widths,
+// kept rather than recomputed), each taken from `saved` where the training
+// forward saved it.
 struct Recomputed {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> depthwise;
 };
 Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p, const BackwardKernels& kernels,
-                             bool keep_depthwise, bool keep_outputs, const SavedForward& saved) {
+                             bool keep_depthwise, KeptOutputs kept_outputs, const SavedForward& saved) {
   Recomputed r;
   at::Tensor pre;  // the previous stage's normed output
   for (size_t i = 0; i < p.stages.size(); ++i) {
@@ -183,7 +187,8 @@ Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p,
     at::Tensor rows_of_d = given.rows.defined() ? given.rows
                            : i == 0             ? kernels.images_depthwise_rows(images, p)
                                                 : depthwise_rows(pre, p, i, kernels);
-    const bool kept = last || (keep_outputs && !backward_reads_rows(p, i + 1, keep_depthwise));
+    const bool kept = last || (kept_outputs == KeptOutputs::SAVED ? SavedForward::saves_output(i, p.stages.size())
+                                                                   : !backward_reads_rows(p, i + 1, keep_depthwise));
     const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
     at::Tensor output = given.output.defined()  ? from_rows(given.output, p.N, s.out_h, s.out_w)
                         : kept || feeds_next ? pointwise(rows_of_d, s, p)
@@ -329,13 +334,13 @@ SavedStage SavedForward::stage(size_t i) const {
 std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
                                                                     const TokenizeProblem& p,
                                                                     const BackwardKernels& kernels) {
-  Recomputed forward = recompute_forward(images, p, kernels, true, true, {});
+  Recomputed forward = recompute_forward(images, p, kernels, true, KeptOutputs::SAVED, {});
   const size_t S = p.stages.size();
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
   SavedForward saved;
   for (size_t i = 0; i < S; ++i) {
     saved.rows.push_back(std::move(forward.depthwise[i]));
-    if (i >= 1 && i + 1 < S) saved.outputs.push_back(rows(forward.outputs[i]));
+    if (SavedForward::saves_output(i, S)) saved.outputs.push_back(rows(forward.outputs[i]));
   }
   return {tokens, saved};
 }
@@ -344,7 +349,7 @@ TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at
                                          const TokenizeProblem& p, TokenizeGradMask mask,
                                          const BackwardKernels& kernels, const SavedForward& saved) {
   const size_t S = p.stages.size();
-  Recomputed forward = recompute_forward(images, p, kernels, mask.parameters, true, saved);
+  Recomputed forward = recompute_forward(images, p, kernels, mask.parameters, KeptOutputs::READ, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;
   TokenizeGrads grads;
   if (mask.parameters) {

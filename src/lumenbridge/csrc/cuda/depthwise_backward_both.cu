@@ -603,8 +603,9 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
           target.grad_depthwise = fold_shares.mutable_data_ptr<float>();
           target.partials = fold_partials.mutable_data_ptr<float>();
         } else {
-          out.grad_input = !FROM_ROWS && overwrite_values ? values
-                                                          : new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
+          out.grad_input = !FROM_ROWS && overwrite_values
+                               ? values
+                               : new_output({p.N, p.C, p.H, p.W}, options, p.memory_format());
         }
         out.grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
         out.grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);

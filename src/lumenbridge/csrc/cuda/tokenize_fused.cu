@@ -16,7 +16,8 @@
 // the requested layout in its epilogue. Every kernel computes its depthwise
 // tile into shared memory (after stage 1 on the tensor cores, as diagonal
 // mma) and multiplies it on the tensor cores (fused_parts.cuh); nothing but
-// stage outputs leaves the SM.
+// stage outputs (and, for tokenize_for_training, what the backward would
+// otherwise recompute) leaves the SM.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "depthwise_forward.cuh"
@@ -364,7 +365,7 @@ struct FirstArgs {
   bool uint8_input, nhwc;
   int C0, H0, W0;     // images as given; pixels outside are 0 after normalization
   int stride1, stride2;
-  ActivationForm act1;  // after stage 1 (stage 2's GEMM has its own, none when stage 2 is last)
+  ActivationForm act1;  // after stage 1 (stage 2's is the output's, TileOutput::act)
   ImageNormalization normalization;
   const T* dw1_weight;
   const T* dw1_bias;
@@ -962,7 +963,7 @@ TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizePro
     TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
                           "the fused kernels write the rows in 16-byte units, the images' stage's in one");
     saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
-    if (i >= 1 && i + 1 < p.stages.size()) {
+    if (SavedForward::saves_output(i, p.stages.size())) {
       saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
     }
   }

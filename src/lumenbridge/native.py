@@ -396,8 +396,8 @@ def tokenize_backward_path(device_type: str) -> str:
     CUDA's one-pass kernels where they apply."""
     common = (
         "lumenbridge::tokenize_backward, composed from the per-layer kernels, GEMMs and ATen; "
-        "it recomputes the forward from the saved inputs and the depthwise rows and intermediate "
-        "stage outputs that lumenbridge::tokenize_for_training saves"
+        "it takes every stage's depthwise rows and the intermediate stages' outputs from what "
+        "lumenbridge::tokenize_for_training saves and recomputes the rest of the forward"
     )
     if device_type != "cuda":
         return common

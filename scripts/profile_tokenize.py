@@ -5,8 +5,10 @@ to every parameter, float input, as bench_fused.py times it: where the
 backward spends its time). --train first times the step on its own (the
 "timing loop" of benchmarks/NOTES.md: best and median of 5 runs of 20 steps,
 CUDA events, and the peak memory), then lists one step's kernels in launch
-order. A development tool: the same-run comparison with PyTorch is
-bench_fused.py's.
+order, and last times steps one at a time, synchronized, as bench_fused.py
+does, with where the GPU waited for the host within one such step (the gaps
+between its kernels, largest first). A development tool: the same-run
+comparison with PyTorch is bench_fused.py's.
 Usage: python scripts/profile_tokenize.py [--batch B] [--train] [--no-profiler]"""
 
 import argparse
@@ -75,6 +77,45 @@ def time_steps(step, batch: int, runs: int = 5, steps: int = 20) -> None:
     )
 
 
+def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
+    """Steps timed one at a time, each synchronized before and after (as
+    bench_fused.py times them): the median, and within one such step the GPU's
+    idle time between its first and last kernel, with the largest gaps and
+    the kernel each one preceded."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    waits = [
+        (later.time_range.start - max(e.time_range.end for e in kernels[:i]), later.name)
+        for i, later in enumerate(kernels)
+        if i > 0
+    ]
+    span = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1000
+    idle = sum(max(wait, 0) for wait, _ in waits) / 1000
+    median = statistics.median(times)
+    print(
+        f"synchronized step: median {median:.3f} ms ({steps} steps); one step's kernels span {span:.3f} ms "
+        f"(about {median - span:.3f} ms before the first and after the last), of which the GPU idled "
+        f"{idle:.3f} ms between kernels; largest gaps (us):"
+    )
+    for wait, name in sorted(waits, reverse=True)[:gaps]:
+        print(f"{wait:8.1f}  before {name[:100]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
@@ -96,6 +137,7 @@ def main() -> None:
             print(f"== training step, float input, B={args.batch}, 5 steps")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
             time_steps(step, args.batch)
+            synchronized_steps(step)
         return
     model.eval()
     for kind in ("uint8", "float"):

@@ -77,6 +77,18 @@ def time_steps(step, batch: int, runs: int = 5, steps: int = 20) -> None:
     )
 
 
+def kernel_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str]]]:
+    """From kernels (start us, end us, name) sorted by start: their span and
+    the GPU's idle time within it (ms), and each kernel's wait (us, negative
+    where it overlapped one before it) with its name."""
+    waits, busy_until = [], kernels[0][1]
+    for start, end, name in kernels[1:]:
+        waits.append((start - busy_until, name))
+        busy_until = max(busy_until, end)
+    span = (busy_until - kernels[0][0]) / 1000
+    return span, sum(max(wait, 0.0) for wait, _ in waits) / 1000, waits
+
+
 def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
     """Steps timed one at a time, each synchronized before and after (as
     bench_fused.py times them): the median, and within one such step the GPU's
@@ -99,13 +111,7 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
-    waits = [
-        (later.time_range.start - max(e.time_range.end for e in kernels[:i]), later.name)
-        for i, later in enumerate(kernels)
-        if i > 0
-    ]
-    span = (max(e.time_range.end for e in kernels) - kernels[0].time_range.start) / 1000
-    idle = sum(max(wait, 0) for wait, _ in waits) / 1000
+    span, idle, waits = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
     median = statistics.median(times)
     print(
         f"synchronized step: median {median:.3f} ms ({steps} steps); one step's kernels span {span:.3f} ms "

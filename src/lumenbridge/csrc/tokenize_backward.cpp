@@ -283,13 +283,15 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
 }  // namespace
 
 // g_d = g_p W, the GEMM's weight [Cout, Cin] padded with zero columns to its
-// output's row width; the weight gradient g_p^T d and, from the ones column,
-// the bias gradient sum_m g_p[m, :] in one GEMM (accumulating in float), so
-// g_p is read once more.
+// output's row width (as it is, no copy, where Cin needs none); the weight
+// gradient g_p^T d and, from the ones column, the bias gradient
+// sum_m g_p[m, :] in one GEMM (accumulating in float), so g_p is read once
+// more.
 PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Tensor& rows_of_d,
                                            const at::Tensor& weight, const DepthwiseProblem& p, bool parameters) {
-  const int64_t cin = p.C, cout = weight.size(0);
-  const at::Tensor w = at::constant_pad_nd(weight.view({cout, cin}), {0, padding_columns(cin)});
+  const int64_t cin = p.C, cout = weight.size(0), padding = padding_columns(cin);
+  const at::Tensor matrix = weight.view({cout, cin});
+  const at::Tensor w = padding == 0 ? matrix : at::constant_pad_nd(matrix, {0, padding});
   PointwiseGrads out;
   out.grad_depthwise = dense(from_rows(at::mm(grad, w).narrow(1, 0, cin), p.N, p.Ho, p.Wo), p.layout);
   if (parameters) {

@@ -44,6 +44,17 @@ def run(call, warmups: int, calls: int, profiled: bool):
     return prof
 
 
+def step_kernels(step) -> list:
+    """One step's CUDA kernel events (torch.profiler), in launch order."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+
+
 def time_steps(step, batch: int, runs: int = 5, steps: int = 20) -> None:
     """The timing loop: `runs` runs of `steps` steps timed with CUDA events
     (best and median a step), the peak memory over them, and one step's
@@ -60,13 +71,7 @@ def time_steps(step, batch: int, runs: int = 5, steps: int = 20) -> None:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / steps)
     peak = torch.cuda.max_memory_allocated() / 2**20
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
+    kernels = step_kernels(step)
     print(f"== one training step's kernels, in launch order (us), B={batch}")
     for e in kernels:
         print(f"{e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
@@ -104,13 +109,7 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
         end.synchronize()
         times.append(start.elapsed_time(end))
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
+    kernels = step_kernels(step)
     span, idle, waits = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
     median = statistics.median(times)
     print(

@@ -143,7 +143,7 @@ def _tokenize_for_training_setup(ctx, inputs, output):
     _, saved_rows, saved_outputs = output
     ctx.mark_non_differentiable(*saved_rows, *saved_outputs)
     # What is saved gets no gradient: without this, autograd would hand the
-    # backward zeros of its sizes (about 750 MB at B = 256 for lumenbridge-base).
+    # backward zeros of its sizes (about 800 MB at B = 256 for lumenbridge-base).
     ctx.set_materialize_grads(False)
     _save_inputs(ctx, inputs, saved_rows, saved_outputs)
 
@@ -407,5 +407,5 @@ def tokenize_backward_path(device_type: str) -> str:
         "the images' stage's pointwise gradients folded into the same pass); for up to three "
         "image channels, one kernel the images' stage's pointwise gradients where that fold "
         "does not apply (half types), and one pass over the images as given each its depthwise "
-        "rows and its depthwise weight gradients"
+        "weight gradients and, where they were not saved, its depthwise rows"
     )

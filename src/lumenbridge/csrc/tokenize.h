@@ -200,9 +200,8 @@ using TrainingResult = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vect
 
 // tokenize_for_training composed from the device's kernels and ATen: the
 // backward's recompute, kept (tokenize_backward.cpp).
-std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
-                                                                    const TokenizeProblem& p,
-                                                                    const BackwardKernels& kernels);
+TrainingResult tokenize_for_training_composed(const at::Tensor& images, const TokenizeProblem& p,
+                                              const BackwardKernels& kernels);
 
 // The backward composed from the device's kernels and ATen, for any device;
 // grad_tokens has the forward output's sizes, any strides.

@@ -333,9 +333,8 @@ SavedStage SavedForward::stage(size_t i) const {
   return {rows[i], i >= 1 && i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
 }
 
-std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Tensor& images,
-                                                                    const TokenizeProblem& p,
-                                                                    const BackwardKernels& kernels) {
+TrainingResult tokenize_for_training_composed(const at::Tensor& images, const TokenizeProblem& p,
+                                              const BackwardKernels& kernels) {
   Recomputed forward = recompute_forward(images, p, kernels, true, KeptOutputs::SAVED, {});
   const size_t S = p.stages.size();
   at::Tensor tokens = tokens_from(apply_stage_norm(forward.outputs.back(), p.stages.back(), p), p);
@@ -344,7 +343,7 @@ std::tuple<at::Tensor, SavedForward> tokenize_for_training_composed(const at::Te
     saved.rows.push_back(std::move(forward.depthwise[i]));
     if (SavedForward::saves_output(i, S)) saved.outputs.push_back(rows(forward.outputs[i]));
   }
-  return {tokens, saved};
+  return {tokens, saved.rows, saved.outputs};
 }
 
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
@@ -421,8 +420,7 @@ std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(const at::Te
 }
 
 TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
-  auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
-  return {tokens, saved.rows, saved.outputs};
+  return tokenize_for_training_composed(images, p, backward_kernels());
 }
 
 TokenizeGrads tokenize_backward(const at::Tensor& grad_tokens, const at::Tensor& images,

@@ -276,10 +276,11 @@ struct PointwiseWeight {
 constexpr int kBDepth = 2;
 
 // out_tile[row][n] = A[row] . weight[n] + bias[n] in T for the block's
-// kTileRows rows and all Cout columns (write_tile applies the activation). Each warp takes kNTiles column tiles per
-// pass; each lane's B rows (one per column tile) are fixed for a pass, so
-// their addresses and bounds are computed once, and its loads run
-// kBDepth k-groups ahead of the multiplies in a ring of registers.
+// kTileRows rows and all Cout columns (write_tile applies the activation).
+// Each warp takes kNTiles column tiles per pass; each lane's B rows (one per
+// column tile) are fixed for a pass, so their addresses and bounds are
+// computed once, and its loads run kBDepth k-groups ahead of the multiplies
+// in a ring of registers.
 template <typename T, bool Vector>
 __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw, T* out_tile,
                           int out_stride) {

@@ -952,10 +952,7 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
 
 TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
-  if (!fused_covers(p)) {
-    auto [tokens, saved] = tokenize_for_training_composed(images, p, backward_kernels());
-    return {tokens, saved.rows, saved.outputs};
-  }
+  if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
   const at::TensorOptions options = images.options().dtype(p.dtype);
   SavedForward saved;
   for (size_t i = 0; i < p.stages.size(); ++i) {

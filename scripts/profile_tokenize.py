@@ -13,11 +13,17 @@ Usage: python scripts/profile_tokenize.py [--batch B] [--train] [--no-profiler]"
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lumenbridge import VisualTokenizer, native
+
+# The benchmarks' own per-call timing, so synchronized steps here are timed as bench_fused.py times them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_depthwise import median_ms
 
 
 def images(kind: str, batch: int) -> torch.Tensor:
@@ -95,23 +101,13 @@ def kernel_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, float, 
 
 
 def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
-    """Steps timed one at a time, each synchronized before and after (as
-    bench_fused.py times them): the median, and within one such step the GPU's
-    idle time between its first and last kernel, with the largest gaps and
-    the kernel each one preceded."""
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    torch.cuda.synchronize()
+    """Steps timed one at a time, each synchronized (bench_fused.py's timing,
+    median_ms): the median, and within one such step the GPU's idle time
+    between its first and last kernel, with the largest gaps and the kernel
+    each one preceded."""
+    median = median_ms(step, repeats=steps)
     kernels = step_kernels(step)
     span, idle, waits = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
-    median = statistics.median(times)
     print(
         f"synchronized step: median {median:.3f} ms ({steps} steps); one step's kernels span {span:.3f} ms "
         f"(about {median - span:.3f} ms before the first and after the last), of which the GPU idled "

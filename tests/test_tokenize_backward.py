@@ -20,10 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lumenbridge import VisualTokenizer, native
 from lumenbridge.testing import (
     NARROW,
-    ROUNDING_FLOOR,
-    ErrorReport,
     compare_gradients_to_float64,
     compare_to_float64,
+    tensor_report,
     tokenize_cases,
 )
 
@@ -358,24 +357,16 @@ def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dt
     pytorch, pytorch_pointwise = stage_outputs(low, low_images)
     assert len(saved_rows) == len(exact) and len(saved_outputs) == len(exact) - 2
     for output, p64, p in zip(saved_outputs, exact_pointwise[1:-1], pytorch_pointwise[1:-1], strict=True):
-        flat64, flat = as_rows(p64), as_rows(p)
+        flat64 = as_rows(p64)
         assert output.shape == flat64.shape
-        report = ErrorReport(
-            error=(output.cpu().double() - flat64).abs().max().item(),
-            torch_error=(flat - flat64).abs().max().item(),
-            floor=ROUNDING_FLOOR[dtype] * max(flat64.abs().max().item(), 1.0),
-        )
+        report = tensor_report(output, flat64, as_rows(p), dtype)
         assert report.ok, (output.shape, report)
     for rows, d64, d in zip(saved_rows, exact, pytorch, strict=True):
         cin = d64.shape[1]
-        flat64, flat = as_rows(d64), as_rows(d)
+        flat64 = as_rows(d64)
         rows = rows.cpu().double()
         assert rows.shape == (len(flat64), torch.ops.lumenbridge.depthwise_row_width(cin))
-        report = ErrorReport(
-            error=(rows[:, :cin] - flat64).abs().max().item(),
-            torch_error=(flat - flat64).abs().max().item(),
-            floor=ROUNDING_FLOOR[dtype] * max(flat64.abs().max().item(), 1.0),
-        )
+        report = tensor_report(rows[:, :cin], flat64, as_rows(d), dtype)
         assert report.ok, (cin, report)
         assert torch.equal(rows[:, cin], torch.ones_like(rows[:, cin]))
         assert not rows[:, cin + 1 :].any()

@@ -134,6 +134,17 @@ class ErrorReport:
         return self.error <= self.limit
 
 
+def tensor_report(output: torch.Tensor, reference: torch.Tensor, torch_output: torch.Tensor, dtype) -> ErrorReport:
+    """Errors of `output` and of PyTorch's own `torch_output` in dtype against
+    the float64 `reference` (any devices), with dtype's floor at the
+    reference's scale."""
+    return ErrorReport(
+        error=(output.cpu().double() - reference.cpu()).abs().max().item(),
+        torch_error=(torch_output.cpu().double() - reference.cpu()).abs().max().item(),
+        floor=ROUNDING_FLOOR[dtype] * max(reference.abs().max().item(), 1.0),
+    )
+
+
 def compare_to_float64(
     model: VisualTokenizer, images: torch.Tensor, output: torch.Tensor, dtype: torch.dtype
 ) -> ErrorReport:
@@ -147,12 +158,7 @@ def compare_to_float64(
     with torch.no_grad():
         reference = model64.forward_layers(images64, "reference")
         torch_output = model_dtype.forward_layers(images_dtype, "reference")
-    scale = reference.abs().max().item()
-    return ErrorReport(
-        error=(output.cpu().double() - reference).abs().max().item(),
-        torch_error=(torch_output.cpu().double() - reference).abs().max().item(),
-        floor=ROUNDING_FLOOR[dtype] * max(scale, 1.0),
-    )
+    return tensor_report(output, reference, torch_output, dtype)
 
 
 # Parameter gradients sum over every pixel of the batch, so their rounding

@@ -52,7 +52,7 @@ def __dir__() -> list[str]:
 
 
 # With torch already imported (its cost paid), load a built extension now, so
-# torch.ops.lumenbridge.* and their fakes and autograd formulas are complete
+# torch.ops.lumenbridge.* and their fakes and autograd kernels are complete
 # right after `import lumenbridge`; a missing build waits for first use or
 # `lumenbridge build`. Without torch, the import stays torch-free (fast CLI).
 if "torch" in sys.modules:

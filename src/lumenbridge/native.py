@@ -1,11 +1,11 @@
 """The Python half of torch.ops.lumenbridge: fake (meta) kernels, so that
-torch.compile can trace the ops, and autograd formulas: the three depthwise
-ops, each another one's gradient, give gradients of any order; the backward
-of tokenize and of tokenize_for_training (tokenize that also returns the
-depthwise rows and intermediate stage outputs its backward would otherwise
-recompute) is the op
-tokenize_backward (first order only). The C++ half (schemas, checks, kernels,
-autocast) is in csrc/; extension.py builds and loads it."""
+torch.compile can trace the ops, and the depthwise ops' autograd formulas:
+each of the three is another one's gradient, which gives gradients of any
+order. tokenize's and tokenize_for_training's autograd kernels are in C++
+(csrc/autograd.cpp), their backward the op tokenize_backward, first order
+only (its autograd formula here raises). The C++ half (schemas, checks,
+kernels, autocast, those autograd kernels) is in csrc/; extension.py builds
+and loads it."""
 
 from __future__ import annotations
 
@@ -122,67 +122,6 @@ def _tokenize_backward_fake(
     )
 
 
-def _save_inputs(ctx, inputs, saved_rows, saved_outputs):
-    """Save the inputs and what tokenize_for_training returned besides the
-    tokens (nothing for tokenize): the backward recomputes the rest."""
-    images, dw_weights, dw_biases, pw_weights, pw_biases = inputs[:5]
-    norm_weights, norm_biases, token_w, token_b = inputs[8:12]
-    ctx.save_for_backward(
-        images, *dw_weights, *dw_biases, *pw_weights, *pw_biases, *norm_weights, *norm_biases, token_w, token_b,
-        *saved_rows, *saved_outputs,
-    )  # fmt: skip
-    ctx.counts = len(dw_weights), len(norm_weights), len(saved_rows), len(saved_outputs)
-    ctx.options = inputs[5:8], inputs[12:]  # (strides, activation, stage_norm), (eps, ..., output_fmt)
-
-
-def _tokenize_setup(ctx, inputs, output):
-    _save_inputs(ctx, inputs, [], [])
-
-
-def _tokenize_for_training_setup(ctx, inputs, output):
-    _, saved_rows, saved_outputs = output
-    ctx.mark_non_differentiable(*saved_rows, *saved_outputs)
-    # What is saved gets no gradient: without this, autograd would hand the
-    # backward zeros of its sizes (about 800 MB at B = 256 for lumenbridge-base).
-    ctx.set_materialize_grads(False)
-    _save_inputs(ctx, inputs, saved_rows, saved_outputs)
-
-
-def _tokenize_backward(ctx, grad):
-    stages, norms, row_count, output_count = ctx.counts
-    images, *saved = ctx.saved_tensors
-    groups = []
-    for length in (stages, stages, stages, stages, norms, norms, 2, row_count, output_count):
-        groups.append(saved[:length])
-        saved = saved[length:]
-    *groups, (token_w, token_b), saved_rows, saved_outputs = groups
-    dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases = groups
-    stage_options, other_options = ctx.options
-    needs = ctx.needs_input_grad
-    parameters_grad = any(any(n) if isinstance(n, list) else n for n in (*needs[1:5], *needs[8:12]))
-    mask = [needs[0], parameters_grad]
-    grads = ops.tokenize_backward(
-        grad, images, dw_weights, dw_biases, pw_weights, pw_biases, *stage_options,
-        norm_weights, norm_biases, token_w, token_b, *other_options, saved_rows, saved_outputs, mask,
-    )  # fmt: skip
-    grad_images, *parameter_grads, grad_token_norm = grads
-    if not parameters_grad:
-        parameter_grads = [[None] * len(group) for group in groups]
-    dw_w, dw_b, pw_w, pw_b, norm_w, norm_b = parameter_grads
-    token_w, token_b = grad_token_norm or (None, None)
-    image = grad_images[0] if grad_images else None
-    # None for the options: strides, activation, stage_norm; eps, mean, std, padded_size, output_fmt.
-    return image, dw_w, dw_b, pw_w, pw_b, None, None, None, norm_w, norm_b, token_w, token_b, *(None,) * 5
-
-
-def _tokenize_for_training_backward(ctx, grad, _grad_saved_rows, _grad_saved_outputs):
-    if grad is None:  # no gradient reached the tokens (gradients are not materialized)
-        stages, norms, _, _ = ctx.counts
-        no_stage, no_norm = [None] * stages, [None] * norms
-        return None, no_stage, no_stage, no_stage, no_stage, None, None, None, no_norm, no_norm, *(None,) * 7
-    return _tokenize_backward(ctx, grad)
-
-
 def _no_double_backward(ctx, *grads):
     raise RuntimeError(
         "LumenBridge: lumenbridge::tokenize supports first-order gradients only (lumenbridge::tokenize_backward "
@@ -259,8 +198,9 @@ _registered = False
 
 
 def register_python_kernels() -> None:
-    """Fakes and autograd formulas of every op; extension.py calls this right
-    after it loads the library (torch.library needs the ops to exist)."""
+    """Every op's fake, and the autograd formulas of all but tokenize and
+    tokenize_for_training (whose autograd kernels are C++); extension.py calls
+    this right after it loads the library (torch.library needs the ops to exist)."""
     global _registered
     if _registered:
         return
@@ -283,13 +223,7 @@ def register_python_kernels() -> None:
         torch.library.register_fake(f"lumenbridge::{name}", fake)
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
     torch.library.register_fake("lumenbridge::tokenize", _tokenize_fake)
-    torch.library.register_autograd("lumenbridge::tokenize", _tokenize_backward, setup_context=_tokenize_setup)
     torch.library.register_fake("lumenbridge::tokenize_for_training", _tokenize_for_training_fake)
-    torch.library.register_autograd(
-        "lumenbridge::tokenize_for_training",
-        _tokenize_for_training_backward,
-        setup_context=_tokenize_for_training_setup,
-    )
     torch.library.register_fake("lumenbridge::tokenize_backward", _tokenize_backward_fake)
     torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)
 

@@ -13,6 +13,7 @@
 
 #include "gateway.h"
 #include "kernel_sizes.h"
+#include "op_signatures.h"
 #include "tokenize.h"
 
 namespace lumenbridge {
@@ -424,18 +425,14 @@ TokenizeProblem check_tokenize_backward(const at::Tensor& grad_tokens, const at:
 }
 
 template <auto kernel>
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-           std::vector<at::Tensor>, std::vector<at::Tensor>>
-tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images, at::TensorList dw_weights,
-                        at::TensorList dw_biases, at::TensorList pw_weights, at::TensorList pw_biases,
-                        at::IntArrayRef strides, c10::string_view activation, c10::string_view stage_norm,
-                        at::TensorList norm_weights, at::TensorList norm_biases,
-                        const c10::optional<at::Tensor>& token_norm_weight,
-                        const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                        at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
-                        c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
-                        std::array<bool, 2> output_mask) {
+TokenizeBackwardResult tokenize_backward_entry(
+    const at::Tensor& grad_tokens, const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
+    at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides, c10::string_view activation,
+    c10::string_view stage_norm, at::TensorList norm_weights, at::TensorList norm_biases,
+    const c10::optional<at::Tensor>& token_norm_weight, const c10::optional<at::Tensor>& token_norm_bias,
+    double eps, at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+    c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
+    std::array<bool, 2> output_mask) {
   const TokenizeProblem p = check_tokenize_backward(
       grad_tokens, images,
       check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
@@ -455,9 +452,6 @@ tokenize_backward_entry(const at::Tensor& grad_tokens, const at::Tensor& images,
 // Result) runs in the autocast dtype, as PyTorch's convolutions do (float64
 // tensors and uint8 images are left as they are). The casts are ordinary
 // differentiable ops, so float32 parameters get float32 gradients.
-constexpr char kTokenize[] = "lumenbridge::tokenize";
-constexpr char kTokenizeForTraining[] = "lumenbridge::tokenize_for_training";
-
 template <c10::DeviceType device, const char* name, typename Result>
 Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
                          at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
@@ -468,12 +462,10 @@ Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
   const auto cast = [dtype](const auto& t) { return at::autocast::cached_cast(dtype, t, device); };
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow(name, "")
-                             .typed<decltype(tokenize_autocast<device, name, Result>)>();
-  return op.call(cast(images), cast(dw_weights), cast(dw_biases), cast(pw_weights), cast(pw_biases), strides,
-                 activation, stage_norm, cast(norm_weights), cast(norm_biases), cast(token_norm_weight),
-                 cast(token_norm_bias), eps, mean, std, padded_size, output_fmt);
+  return typed_op<TokenizeSignature<Result>, name>().call(
+      cast(images), cast(dw_weights), cast(dw_biases), cast(pw_weights), cast(pw_biases), strides, activation,
+      stage_norm, cast(norm_weights), cast(norm_biases), cast(token_norm_weight), cast(token_norm_bias), eps, mean,
+      std, padded_size, output_fmt);
 }
 
 // Which CUDA path tokenize takes for a configuration: "fused", or "composed: <why>".

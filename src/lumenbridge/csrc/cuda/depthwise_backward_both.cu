@@ -419,11 +419,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                 pairs[h] = inside ? scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], pairs[h]) : 0u;
               }
             } else {
-              multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
-              Vec<T, L> value;
-#pragma unroll
-              for (int e = 0; e < L; ++e) value.v[e] = static_cast<T>(inside ? acc[py][px][e] : 0.0f);
-              own_slot(py, px) = value;
+              own_slot(py, px) = inside ? slope_scaled<T, L>(acc[py][px], pre_at(py, px), slope) : zero_vec<T, L>();
             }
           }
         }

@@ -109,7 +109,7 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 
 // The activation a depthwise kernel applies to its input tile (the composed
 // backward's x = act(pre)): bf16 and fp16 in the fused kernels' packed form
-// (activate_pair, about 4.5 instructions a value; the exact erf form cost
+// (activate_packed, about 4.5 instructions a value; the exact erf form cost
 // more than the pass it replaced, benchmarks/NOTES.md step 22), float in
 // ATen's exact form.
 using InputActivation = PackedChoice<ActivationForm>;
@@ -135,10 +135,7 @@ __device__ __forceinline__ void activate_own_chunks(T* tile, int tid, const Inpu
     } else {
       auto* words = reinterpret_cast<uint32_t*>(v.v);
 #pragma unroll
-      for (int w = 0; w < CHUNK / 2; ++w) {
-        const float2 pair = unpack2<T>(words[w]);
-        words[w] = activate_pair<T>(pair.x, pair.y, act.form);
-      }
+      for (int w = 0; w < CHUNK / 2; ++w) words[w] = activate_packed<T>(words[w], act.form);
     }
     store_vec<T, CHUNK>(chunk, v);
   });

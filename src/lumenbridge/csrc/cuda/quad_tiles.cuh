@@ -39,14 +39,6 @@ struct QuadReach {
 // GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
 using OutputSlope = PackedChoice<GeluSlopeForm>;
 
-// Scales gradients 2h and 2h + 1 of a pixel by a packed pair of slopes.
-template <typename T, int L>
-__device__ __forceinline__ void multiply_pair(float (&value)[L], int h, uint32_t slopes) {
-  const float2 s = unpack2<T>(slopes);
-  value[2 * h] *= s.x;
-  value[2 * h + 1] *= s.y;
-}
-
 // Gradients a and b rounded to T, then times a packed pair of slopes in T:
 // three instructions (pack, multiply and the caller's store or select) where
 // the float product cost two unpacks, two multiplies and the pack. One more
@@ -57,23 +49,33 @@ __device__ __forceinline__ uint32_t scaled_pair(float a, float b, uint32_t slope
   return PairMath<T>::mul(pack2<T>(a, b), slopes);
 }
 
-// Scales a thread's L gradients at one pixel by act'(pre) there. The choice
-// is uniform across the grid.
+// A thread's L gradients at one pixel times act'(pre) there, in T: for bf16
+// and fp16 GELU rounded first and scaled in pairs (scaled_pair), as the
+// one-pass kernel's GELU_PAIRS stores are; otherwise scaled in float, then
+// rounded. The choice is uniform across the grid.
 template <typename T, int L>
-__device__ __forceinline__ void multiply_by_slope(float (&value)[L], const Vec<T, L>& pre, const OutputSlope& slope) {
+__device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre,
+                                                  const OutputSlope& slope) {
+  Vec<T, L> result;
   if constexpr (!std::is_same_v<T, float>) {
     if (slope.kind == Activation::GELU) {
       static_assert(L % 2 == 0, "the packed slope takes pairs");
       const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
+      auto* scaled = reinterpret_cast<uint32_t*>(result.v);
 #pragma unroll
-      for (int h = 0; h < L / 2; ++h) multiply_pair<T, L>(value, h, gelu_slope_pair<T>(pairs[h], slope.form));
-      return;
+      for (int h = 0; h < L / 2; ++h) {
+        scaled[h] = scaled_pair<T>(value[2 * h], value[2 * h + 1], gelu_slope_pair<T>(pairs[h], slope.form));
+      }
+      return result;
     }
   }
   dispatch_activation(slope.kind, [&](auto a) {
 #pragma unroll
-    for (int e = 0; e < L; ++e) value[e] *= activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e]));
+    for (int e = 0; e < L; ++e) {
+      result.v[e] = static_cast<T>(value[e] * activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e])));
+    }
   });
+  return result;
 }
 
 // Visits every (pixel, tap, grad_output pixel) triple of one quad (a, b),
@@ -129,28 +131,9 @@ __device__ __forceinline__ void store_pixel(T* dst, const Vec<T, L>& values, int
   }
 }
 
-// Stores a quad's gradients acc[py][px] at pixel (y + py, x + px) of an NHWC
+// Stores a quad's values[py][px] at pixel (y + py, x + px) of an NHWC
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
-// image left out; with SLOPE each is first scaled by the slope at the
-// pre-activation pre_at(py, px) (a Vec<T, L> of this thread's channels).
-template <bool SLOPE, typename T, int L, typename PreAt>
-__device__ __forceinline__ void store_quad(float (&acc)[2][2][L], T* image, int y, int x, int H, int W, int C, int c,
-                                           bool vector_stores, const OutputSlope& slope, PreAt&& pre_at) {
-#pragma unroll
-  for (int py = 0; py < 2; ++py) {
-#pragma unroll
-    for (int px = 0; px < 2; ++px) {
-      if (y + py >= H || x + px >= W) continue;
-      if constexpr (SLOPE) multiply_by_slope<T, L>(acc[py][px], pre_at(py, px), slope);
-      Vec<T, L> result;
-#pragma unroll
-      for (int e = 0; e < L; ++e) result.v[e] = static_cast<T>(acc[py][px][e]);
-      store_pixel<T, L>(image + (static_cast<int64_t>(y + py) * W + x + px) * C, result, c, C, vector_stores);
-    }
-  }
-}
-
-// The same for gradients already in T, values[py][px].
+// image left out.
 template <typename T, int L>
 __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2], T* image, int y, int x, int H,
                                                   int W, int C, int c, bool vector_stores) {
@@ -163,6 +146,28 @@ __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2
                         vector_stores);
     }
   }
+}
+
+// The same for float gradients acc[py][px], rounded to T; with SLOPE each
+// is scaled by the slope at the pre-activation pre_at(py, px) (a Vec<T, L>
+// of this thread's channels; read for the pixels past the image too).
+template <bool SLOPE, typename T, int L, typename PreAt>
+__device__ __forceinline__ void store_quad(const float (&acc)[2][2][L], T* image, int y, int x, int H, int W, int C,
+                                           int c, bool vector_stores, const OutputSlope& slope, PreAt&& pre_at) {
+  Vec<T, L> values[2][2];
+#pragma unroll
+  for (int py = 0; py < 2; ++py) {
+#pragma unroll
+    for (int px = 0; px < 2; ++px) {
+      if constexpr (SLOPE) {
+        values[py][px] = slope_scaled<T, L>(acc[py][px], pre_at(py, px), slope);
+      } else {
+#pragma unroll
+        for (int e = 0; e < L; ++e) values[py][px].v[e] = static_cast<T>(acc[py][px][e]);
+      }
+    }
+  }
+  store_quad_values<T, L>(values, image, y, x, H, W, C, c, vector_stores);
 }
 
 }  // namespace cuda

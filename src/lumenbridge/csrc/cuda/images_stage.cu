@@ -11,15 +11,16 @@
 // (fill, convolution, copy into the rows): 206 us of a training step at
 // B = 256, bf16, on the H200, and 97 + 90 us for the copy and the weight
 // gradient. Here each is one pass over the images.
-// The weight sums are deterministic: each block owns a fixed set of tiles
-// and reduces each channel in a fixed tree; pass 2 adds the blocks in order
-// (partial_sums.cuh).
+// The weight sums are deterministic: each block owns a fixed set of output
+// rows of one channel and reduces in a fixed tree; pass 2 adds the blocks in
+// order (partial_sums.cuh).
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../tokenize_steps.h"
 #include "common.cuh"
 #include "images.cuh"
 #include "partial_sums.cuh"
+#include "weight_partials.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -117,113 +118,51 @@ __global__ void __launch_bounds__(kThreads)
   store_vec(rows + (n * conv.Ho * conv.Wo + pixel) * kRowWidth, row);
 }
 
-// Pass 1 of the weight gradient, over tiles of kWeightTileRows x 32 outputs
-// of one image, all channels: the block loads the tile's image window once
-// (every channel, normalized, zero outside the image) into shared memory,
-// then warp c sums channel c's g x over the tile for every tap, and g for
-// the bias, a lane a column. A block per channel reading channels-last
-// images pulled every channel's bytes, and the channels' blocks each read
-// the images again: 107 us a step at B = 256 for about 96 MB
-// (benchmarks/NOTES.md, step 47). Blocks walk the tiles blockIdx.x,
-// + gridDim.x, ...; partials is [C, gridDim.x, K * K + 1].
-constexpr int kWeightTileRows = 8, kWeightTileColumns = 32;
-
-// The tiles of pass 1: their grid over an image, and the blocks that walk them.
-struct WeightTiles {
-  int tiles_x, tiles_y;
-  int64_t count, blocks;
-};
-
-// The window of a tile's image pixels its taps read, at stride 2 (the widest).
-template <int K>
-struct WeightWindow {
-  static constexpr int kRows = (kWeightTileRows - 1) * 2 + K, kColumns = (kWeightTileColumns - 1) * 2 + K;
-  static constexpr int kSlots = ceil_div(kRows * kColumns, kThreads);  // window positions a thread loads
-};
+// Pass 1 of the weight gradient: block (chunk, c) takes channel c's output
+// rows over the batch (row r is image r / Ho, output row r % Ho), its warp w
+// the rows chunk * kWarps + w + k * chunks * kWarps, a row at a time, lanes
+// along it. Each thread sums g x over its outputs for every tap, and g for
+// the bias.
+constexpr int kWarps = kThreads / 32;
 
 template <typename In, typename T, int K>
 __global__ void __launch_bounds__(kThreads)
     images_depthwise_weight_kernel(ImageReader<In> images, const T* __restrict__ grad_output,
-                                   float* __restrict__ partials, ImageConv conv, WeightTiles tiles) {
-  using Window = WeightWindow<K>;
-  constexpr int kTaps = K * K, kSums = kTaps + 1;  // taps, then the bias
-  __shared__ float window[kMaxNormalizedChannels][Window::kRows * Window::kColumns];
+                                   float* __restrict__ partials, ImageConv conv, int64_t output_rows, int chunks) {
+  constexpr int kSums = K * K + 1;  // taps, then the bias
+  __shared__ float warp_sums[kWarps][kSums];
+  const int chunk = blockIdx.x, c = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int rows = (kWeightTileRows - 1) * conv.stride + K, columns = (kWeightTileColumns - 1) * conv.stride + K;
   float sums[kSums] = {};
-  for (int64_t tile = blockIdx.x; tile < tiles.count; tile += gridDim.x) {
-    const int oy0 = static_cast<int>(tile / tiles.tiles_x % tiles.tiles_y) * kWeightTileRows;
-    const int ox0 = static_cast<int>(tile % tiles.tiles_x) * kWeightTileColumns;
-    const int64_t n = tile / tiles.tiles_x / tiles.tiles_y;
-    const int y0 = oy0 * conv.stride - conv.pad, x0 = ox0 * conv.stride - conv.pad;
-    // Every load of the tile (the window's, then this warp's gradients) is
-    // issued before any is used: a block waits one memory round trip a tile.
-    float x[kMaxNormalizedChannels][Window::kSlots];
+  for (int64_t r = static_cast<int64_t>(chunk) * kWarps + warp; r < output_rows;
+       r += static_cast<int64_t>(chunks) * kWarps) {
+    const int64_t n = r / conv.Ho;
+    const int oy = static_cast<int>(r - n * conv.Ho);
+    const T* g_row = grad_output + ((n * conv.C + c) * conv.Ho + oy) * conv.Wo;
+    const ImagePlane<In> plane = images.plane(n, c);
+    const int y0 = oy * conv.stride - conv.pad;
+    for (int ox = lane; ox < conv.Wo; ox += 32) {
+      const float g = static_cast<float>(g_row[ox]);
+      const int x0 = ox * conv.stride - conv.pad;
 #pragma unroll
-    for (int c = 0; c < kMaxNormalizedChannels; ++c) {
-      if (c >= conv.C) break;
-      const ImagePlane<In> plane = images.plane(n, c);
+      for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
-      for (int s = 0; s < Window::kSlots; ++s) {
-        const int q = threadIdx.x + s * kThreads;
-        x[c][s] = plane.at(y0 + q / columns, x0 + q % columns);
-      }
-    }
-    // This lane's outputs: column ox, the tile's first `tile_rows` rows.
-    const int ox = ox0 + lane, tile_rows = min(kWeightTileRows, conv.Ho - oy0);
-    const bool sums_outputs = warp < conv.C && ox < conv.Wo;
-    float g[kWeightTileRows];
-#pragma unroll
-    for (int r = 0; r < kWeightTileRows; ++r) {
-      g[r] = sums_outputs && r < tile_rows
-                 ? static_cast<float>(grad_output[((n * conv.C + warp) * conv.Ho + oy0 + r) * conv.Wo + ox])
-                 : 0.0f;
-    }
-#pragma unroll
-    for (int c = 0; c < kMaxNormalizedChannels; ++c) {
-      if (c >= conv.C) break;
-#pragma unroll
-      for (int s = 0; s < Window::kSlots; ++s) {
-        const int q = threadIdx.x + s * kThreads;
-        if (q < rows * columns) window[c][q] = x[c][s];
-      }
-    }
-    __syncthreads();
-    // Only the outputs inside the extent: a pixel only outputs past it read
-    // (one the convolution leaves out) adds nothing, even if not finite.
-    if (sums_outputs) {
-      const float* own = window[warp] + lane * conv.stride;
-#pragma unroll
-      for (int r = 0; r < kWeightTileRows; ++r) {
-        if (r >= tile_rows) break;
-#pragma unroll
-        for (int t = 0; t < kTaps; ++t) {
-          sums[t] = fmaf(g[r], own[(r * conv.stride + t / K) * columns + t % K], sums[t]);
+        for (int kx = 0; kx < K; ++kx) {
+          sums[ky * K + kx] = fmaf(g, plane.at(y0 + ky, x0 + kx), sums[ky * K + kx]);
         }
-        sums[kTaps] += g[r];
       }
+      sums[K * K] += g;
     }
-    __syncthreads();  // the next tile's window overwrites this one
   }
-  if (warp >= conv.C) return;
-#pragma unroll
-  for (int i = 0; i < kSums; ++i) {
-    const float total = warp_sum(sums[i]);
-    if (lane == 0) partials[(static_cast<int64_t>(warp) * gridDim.x + blockIdx.x) * kSums + i] = total;
-  }
+  store_channel_partials<kSums>(sums, warp_sums, threadIdx.x, c, chunk, chunks, partials);
 }
 
-// Blocks of pass 1: at most kWeightBlocks (at K = 3, 76 registers a
-// thread, three an SM: one wave on the H200), fewer where there are fewer
-// tiles. A function of the shape alone, so the sums are the same on every GPU.
-constexpr int64_t kWeightBlocks = 396;
-WeightTiles weight_tiles(int64_t N, int Ho, int Wo) {
-  WeightTiles t;
-  t.tiles_x = ceil_div(Wo, kWeightTileColumns);
-  t.tiles_y = ceil_div(Ho, kWeightTileRows);
-  t.count = N * t.tiles_x * t.tiles_y;
-  t.blocks = std::min(t.count, kWeightBlocks);
-  return t;
+// Blocks per channel of pass 1: about kWeightBlocks over all channels (four
+// an SM on the H200, one wave), fewer where there are few output rows. A
+// function of the shape alone, so the sums are the same on every GPU.
+constexpr int64_t kWeightBlocks = 528;
+int64_t weight_chunks(int64_t output_rows, int64_t channels) {
+  return std::max<int64_t>(1, std::min(ceil_div64(output_rows, kWarps), ceil_div64(kWeightBlocks, channels)));
 }
 
 ImageConv image_conv(const TokenizeProblem& p) {
@@ -295,19 +234,22 @@ std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight(const at::Te
   at::Tensor grad_weight = new_output({p.C, 1, p.K, p.K}, options, at::MemoryFormat::Contiguous);
   at::Tensor grad_bias = new_output({p.C}, options, at::MemoryFormat::Contiguous);
   const ImageConv conv = image_conv(p);
-  const WeightTiles tiles = weight_tiles(p.N, conv.Ho, conv.Wo);
+  const int64_t output_rows = p.N * conv.Ho;
+  const int64_t chunks = weight_chunks(output_rows, p.C);
   const int sums = static_cast<int>(p.K * p.K) + 1;
-  at::Tensor partials = at::zeros({p.C, tiles.blocks, sums}, options.dtype(at::kFloat));
+  at::Tensor partials = at::zeros({p.C, chunks, sums}, options.dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_images(p, [&](auto in, auto t, auto k) {
     using In = decltype(in);
     using T = decltype(t);
-    if (tiles.blocks > 0) {
-      images_depthwise_weight_kernel<In, T, decltype(k)::value><<<grid_x(tiles.blocks), kThreads, 0, stream>>>(
-          image_reader<In>(x, p), g.const_data_ptr<T>(), partials.mutable_data_ptr<float>(), conv, tiles);
+    if (output_rows > 0) {
+      images_depthwise_weight_kernel<In, T, decltype(k)::value>
+          <<<dim3(grid_x(chunks), grid_y(p.C, "image channels")), kThreads, 0, stream>>>(
+              image_reader<In>(x, p), g.const_data_ptr<T>(), partials.mutable_data_ptr<float>(), conv,
+              output_rows, static_cast<int>(chunks));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    sum_partials<T>(partials.const_data_ptr<float>(), p.C, tiles.blocks, sums,
+    sum_partials<T>(partials.const_data_ptr<float>(), p.C, chunks, sums,
                     {grad_weight.mutable_data_ptr<T>(), grad_bias.mutable_data_ptr<T>(), sums - 1, 1}, stream);
   });
   return {grad_weight, grad_bias};

@@ -53,8 +53,8 @@ WorkSplit split_work(const DepthwiseProblem& p, int64_t groups, int64_t target_b
 // Sums each thread's SUMS sums over a block of kThreads threads that all
 // work on channel c, in a fixed order (a warp's xor tree, then the warps in
 // turn through `warp_sums`), and stores the block's partials: the
-// one-channel blocks of the NCHW weight kernel (depthwise_backward_weight.cu).
-// `thread` counts from 0 in the
+// one-channel blocks of the NCHW weight kernel (depthwise_backward_weight.cu)
+// and of the images' stage (images_stage.cu). `thread` counts from 0 in the
 // block, in the caller's own index type (int, or threadIdx's unsigned), so
 // each caller's index arithmetic stays what it was.
 template <int SUMS, typename Thread>

@@ -248,9 +248,10 @@ def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     the attribute returns: nn.Module's attribute lookup costs microseconds,
     and a forward reads 18 of them. A parametrized name is not in the table,
     and a class may define the name itself (a property); both take the normal
-    lookup."""
+    lookup, as does a traced forward (torch.compile pays the lookup once, and
+    would warn about tracing through _class_defines's cache)."""
     found = module._parameters.get(name)
-    if found is None or _class_defines(type(module), name):
+    if found is None or torch.compiler.is_compiling() or _class_defines(type(module), name):
         return getattr(module, name)
     return found
 

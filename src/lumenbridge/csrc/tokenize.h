@@ -52,6 +52,8 @@ struct TokenizeProblem {
   int64_t embed_dim() const { return stages.back().out_channels; }
   int64_t grid_h() const { return stages.back().out_h; }
   int64_t grid_w() const { return stages.back().out_w; }
+  // Stage i's output pixels over the batch: the rows of its depthwise rows and saved output.
+  int64_t stage_pixels(size_t i) const { return N * stages[i].out_h * stages[i].out_w; }
   bool has_token_norm() const { return token_norm_weight.defined(); }
   // The sizes of the op's output (contiguous) in the requested format.
   std::vector<int64_t> output_sizes() const;

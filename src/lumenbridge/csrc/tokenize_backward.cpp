@@ -319,13 +319,11 @@ std::tuple<at::Tensor, at::Tensor> images_depthwise_backward_weight_composed(con
 int64_t depthwise_row_width(int64_t in_channels) { return in_channels + 1 + padding_columns(in_channels + 1); }
 
 std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage) {
-  const TokenizeStage& s = p.stages[stage];
-  return {p.N * s.out_h * s.out_w, depthwise_row_width(s.in_channels)};
+  return {p.stage_pixels(stage), depthwise_row_width(p.stages[stage].in_channels)};
 }
 
 std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage) {
-  const TokenizeStage& s = p.stages[stage];
-  return {p.N * s.out_h * s.out_w, s.out_channels};
+  return {p.stage_pixels(stage), p.stages[stage].out_channels};
 }
 
 SavedStage SavedForward::stage(size_t i) const {

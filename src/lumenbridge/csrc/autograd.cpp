@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "op_signatures.h"
 #include "tokenize.h"
@@ -52,18 +53,11 @@ template <const char* name, typename Result>
 struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Result>> {
   static constexpr bool kTraining = std::is_same_v<Result, TrainingResult>;
 
-  static Result below_autograd(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
-                               at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
-                               c10::string_view activation, c10::string_view stage_norm,
-                               at::TensorList norm_weights, at::TensorList norm_biases,
-                               const c10::optional<at::Tensor>& token_norm_weight,
-                               const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                               at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
-                               c10::string_view output_fmt) {
+  // The op itself, below the Autograd key: its arguments as the op takes them.
+  template <typename... Args>
+  static Result below_autograd(Args&&... args) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return typed_op<TokenizeSignature<Result>, name>().call(
-        images, dw_weights, dw_biases, pw_weights, pw_biases, strides, activation, stage_norm, norm_weights,
-        norm_biases, token_norm_weight, token_norm_bias, eps, mean, std, padded_size, output_fmt);
+    return typed_op<TokenizeSignature<Result>, name>().call(std::forward<Args>(args)...);
   }
 
   // Saves the inputs and, for tokenize_for_training, what it returned besides

@@ -8,6 +8,7 @@
 // training step on a 2-core CPU, against 15-35 us for this kernel's forward
 // there (benchmarks/NOTES.md, eighteenth and nineteenth sessions).
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <type_traits>
@@ -145,17 +146,6 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
   }
 };
 
-bool any_requires_grad(const at::Tensor& images, std::initializer_list<at::TensorList> lists,
-                       const c10::optional<at::Tensor>& token_norm_weight,
-                       const c10::optional<at::Tensor>& token_norm_bias) {
-  bool any = images.requires_grad() || (token_norm_weight && token_norm_weight->requires_grad()) ||
-             (token_norm_bias && token_norm_bias->requires_grad());
-  for (at::TensorList list : lists) {
-    for (const at::Tensor& t : list) any = any || t.requires_grad();
-  }
-  return any;
-}
-
 template <const char* name, typename Result>
 Result tokenize_autograd(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
                          at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
@@ -164,10 +154,10 @@ Result tokenize_autograd(const at::Tensor& images, at::TensorList dw_weights, at
                          const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
                          at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
   using Function = TokenizeFunction<name, Result>;
-  const bool records = at::GradMode::is_enabled() &&
-                       any_requires_grad(images, {dw_weights, dw_biases, pw_weights, pw_biases, norm_weights,
-                                                  norm_biases},
-                                         token_norm_weight, token_norm_bias);
+  // Grad mode on and a tensor argument requiring grad, as PyTorch's own kernels decide.
+  const bool records = torch::autograd::compute_requires_grad(
+      images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases, token_norm_weight,
+      token_norm_bias);
   if (!records) {  // nothing to differentiate: no graph node
     return Function::below_autograd(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, activation,
                                     stage_norm, norm_weights, norm_biases, token_norm_weight, token_norm_bias, eps,
@@ -180,7 +170,8 @@ Result tokenize_autograd(const at::Tensor& images, at::TensorList dw_weights, at
   if constexpr (Function::kTraining) {
     const size_t rows = dw_weights.size();
     const auto begin = outputs.begin() + 1;
-    return {outputs[0], std::vector<at::Tensor>(begin, begin + rows), std::vector<at::Tensor>(begin + rows, outputs.end())};
+    return {outputs[0], std::vector<at::Tensor>(begin, begin + rows),
+            std::vector<at::Tensor>(begin + rows, outputs.end())};
   } else {
     return outputs[0];
   }

@@ -248,10 +248,9 @@ def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     the attribute returns: nn.Module's attribute lookup costs microseconds,
     and a forward reads 18 of them. A parametrized name is not in the table,
     and a class may define the name itself (a property); both take the normal
-    lookup, as does a traced forward (torch.compile pays the lookup once, and
-    would warn about tracing through _class_defines's cache)."""
+    lookup."""
     found = module._parameters.get(name)
-    if found is None or torch.compiler.is_compiling() or _class_defines(type(module), name):
+    if found is None or _class_defines(type(module), name):
         return getattr(module, name)
     return found
 
@@ -260,8 +259,11 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
     """The arguments of torch.ops.lumenbridge.tokenize for `model` (a
     VisualTokenizer) on `images`: its parameters in their nn layouts."""
     cfg = model.config
+    # A traced forward takes the normal lookup: torch.compile pays it once,
+    # and would warn about tracing through _class_defines's cache.
+    parameter = getattr if torch.compiler.is_compiling() else _parameter
     convs = [(stage._modules["dw"], stage._modules["pw"]) for stage in model.stages._modules.values()]
-    dw_weights = [_parameter(dw, "weight") for dw, _ in convs]
+    dw_weights = [parameter(dw, "weight") for dw, _ in convs]
     if images.dtype != torch.uint8:
         images = images.to(dw_weights[0].dtype)
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
@@ -269,16 +271,16 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
     return (
         images.contiguous(memory_format=memory_format_of(images)),
         dw_weights,
-        [_parameter(dw, "bias") for dw, _ in convs],
-        [_parameter(pw, "weight") for _, pw in convs],
-        [_parameter(pw, "bias") for _, pw in convs],
+        [parameter(dw, "bias") for dw, _ in convs],
+        [parameter(pw, "weight") for _, pw in convs],
+        [parameter(pw, "bias") for _, pw in convs],
         list(cfg.strides),
         cfg.activation,
         stage_norm,
         norm_weights,
         norm_biases,
-        None if token_norm is None else _parameter(token_norm, "weight"),
-        None if token_norm is None else _parameter(token_norm, "bias"),
+        None if token_norm is None else parameter(token_norm, "weight"),
+        None if token_norm is None else parameter(token_norm, "bias"),
         model.norm_eps,
         list(cfg.pixel_mean),
         list(cfg.pixel_std),

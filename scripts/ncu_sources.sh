@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Where the fused tokenize kernels stall: one ncu profile per kernel (B=256,
-# bf16, uint8 input) with warp-state statistics and the per-instruction stall
+# Where LumenBridge's kernels stall: one ncu profile per kernel (B=256, bf16)
+# with warp-state statistics, memory traffic and the per-instruction stall
 # samples as CSV, for reading against the SASS, split into the phases between
-# barriers by scripts/ncu_phases.py (phases.md).
-# Usage: bash scripts/ncu_sources.sh OUTDIR
+# barriers by scripts/ncu_phases.py (phases.md). By default the fused
+# forward's kernels, from uint8 input; KERNELS (an ncu name regex) picks
+# others, and TRAIN=1 profiles a training step (float input) instead, as in
+# scripts/ncu_tokenize.sh.
+# Usage: [KERNELS=REGEX] [TRAIN=1] bash scripts/ncu_sources.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
+mkdir -p "$out"
+kernels=${KERNELS:-fused_}
+mode=()
+[ -n "${TRAIN:-}" ] && mode=(--train)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-ncu --clock-control none -k regex:fused_ --launch-skip 3 --launch-count 3 --import-source yes \
+ncu --clock-control none -k "regex:$kernels" --launch-skip 3 --launch-count 3 --import-source yes \
   --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
-  -o "$out/stalls" -f python3 scripts/profile_tokenize.py --batch 256 --no-profiler > "$out/ncu-run.txt" 2>&1
+  --section MemoryWorkloadAnalysis \
+  -o "$out/stalls" -f python3 scripts/profile_tokenize.py --batch 256 --no-profiler "${mode[@]}" \
+  > "$out/ncu-run.txt" 2>&1
 ncu --import "$out/stalls.ncu-rep" --print-details all > "$out/stalls.txt" 2>&1 || true
 ncu --import "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls-sass.csv" 2>&1 || true
 python3 scripts/ncu_phases.py "$out/stalls-sass.csv" > "$out/phases.md" || true
-grep -E "fused_|Duration|Stall|Warp Cycles Per Issued|Issue Slots|Achieved Occupancy" "$out/stalls.txt" | head -60
+grep -E "$kernels|Duration|Stall|Warp Cycles Per Issued|Issue Slots|Achieved Occupancy|DRAM Throughput|L2 Hit|L1/TEX Hit" \
+  "$out/stalls.txt" | head -80
 cat "$out/phases.md"

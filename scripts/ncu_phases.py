@@ -43,7 +43,9 @@ def number(text: str) -> float:
 
 
 def read_kernels(path: str) -> list[Kernel]:
-    """The CSV holds one block per kernel: a "Kernel Name" row, a header row, then its instructions."""
+    """The CSV holds one block per kernel: a "Kernel Name" row (absent when ncu
+    profiled a single kernel), a header row, then its instructions; ncu's own
+    messages before a header are skipped."""
     kernels: list[Kernel] = []
     header: list[str] | None = None
     with open(path, newline="") as f:
@@ -53,9 +55,11 @@ def read_kernels(path: str) -> list[Kernel]:
             if row[0] == "Kernel Name":
                 kernels.append(Kernel(row[1] if len(row) > 1 else "?", []))
                 header = None
-            elif header is None:
+            elif "Address" in row and "Source" in row:
                 header = row
-            else:
+                if not kernels:
+                    kernels.append(Kernel("the profiled kernel", []))
+            elif header is not None:
                 add_instruction(kernels[-1], header, row)
     return kernels
 

@@ -59,3 +59,17 @@ def test_table_gives_shares_and_top_stalls(tmp_path):
     assert "| 0x10 -> 0x20 BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 | 40.0% | 55.0% | wait 75%, barrier 25% |" in text
     assert "| 0x20 -> 0x40 EXIT | 60.0% | 45.0% | barrier 67%, wait 33% |" in text
     assert "end of kernel" not in text  # the empty phase after EXIT is below the threshold
+
+
+def test_a_single_kernel_without_a_name_row_after_ncu_messages(tmp_path):
+    rows = [
+        ["==WARNING== Note: Running with unmodified GPU clocks."],
+        HEADER,
+        ["0x10", "IMAD R1, R2, R3", "30", "1,000", "30", "0", "7"],
+        ["0x20", "EXIT", "10", "100", "0", "10", "5"],
+    ]
+    with (tmp_path / "stalls-sass.csv").open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    (kernel,) = ncu_phases.read_kernels(str(tmp_path / "stalls-sass.csv"))
+    assert kernel.name == "the profiled kernel"
+    assert [(p.samples, p.instructions) for p in kernel.phases] == [(40, 1100), (0, 0)]

@@ -36,17 +36,43 @@ __host__ __device__ constexpr int padded_stride(int cols) {
 __host__ __device__ constexpr int round_up(int v, int m) { return (v + m - 1) / m * m; }
 __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// A divisor known on the host, for quotients of non-negative ints on the
+// device in two instructions (a multiply-high and a shift) where a division
+// by a runtime value is about 20: q = umulhi(n, m) >> (s - 1) with
+// s = ceil(log2 d) and m = ceil(2^(31 + s) / d), exact for 0 <= n < 2^31
+// (the error n (m - 2^(31 + s) / d) / 2^(31 + s) stays under 1 / d).
+struct Divisor {
+  int value;
+  uint32_t multiplier;
+  int shift;
+
+  static Divisor of(int d) {
+    TORCH_INTERNAL_ASSERT(d >= 1, "a divisor is positive");
+    if (d == 1) return {1, 0, 0};  // quotient() passes n through
+    int s = 1;
+    while ((int64_t{1} << s) < d) ++s;
+    const uint64_t power = uint64_t{1} << (31 + s);
+    return {d, static_cast<uint32_t>((power + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d)), s - 1};
+  }
+  __device__ __forceinline__ int quotient(int n) const {
+    return value == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+  }
+};
+
 // A thread's items threadIdx.x, + blockDim.x, + 2 blockDim.x, ... (or a
 // warp's items first, + step, ...) of a grid with `columns` items per row,
-// as (row, column): one division per thread, not two per item (a division
-// by a runtime value is about 20 instructions).
+// as (row, column): the first item's and the step's quotients once per
+// thread, then additions, not two divisions per item.
 struct GridCursor {
   int row, column;
   const int columns, row_step, column_step;
   __device__ GridCursor(int columns, int first, int step)
       : row(first / columns), column(first % columns), columns(columns), row_step(step / columns),
         column_step(step % columns) {}
-  __device__ explicit GridCursor(int columns) : GridCursor(columns, threadIdx.x, blockDim.x) {}
+  __device__ GridCursor(const Divisor& columns, int first, int step)
+      : row(columns.quotient(first)), column(first - row * columns.value), columns(columns.value),
+        row_step(columns.quotient(step)), column_step(step - row_step * columns.value) {}
+  __device__ explicit GridCursor(const Divisor& columns) : GridCursor(columns, threadIdx.x, blockDim.x) {}
   __device__ __forceinline__ void advance() {
     row += row_step;
     column += column_step;
@@ -170,6 +196,37 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(b));
   }
+}
+
+// d = a b + c for m16n8k8, c left as it is: the stage-1 pointwise step
+// starts from the bias without copying it into the accumulators (the tensor
+// cores read c as an aligned register quad, so a bias pair is kept in shared
+// memory as {b0, b1, b0, b1} and read with one 16-byte load).
+template <typename T>
+__device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], uint32_t b, const float4& c) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%7, %8, %9, %10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c.x), "f"(c.y), "f"(c.z), "f"(c.w));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%7, %8, %9, %10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c.x), "f"(c.y), "f"(c.z), "f"(c.w));
+  }
+}
+
+// Four 8 x 8 matrices of 16-bit elements to shared memory from mma
+// accumulator fragments: lane 4g + t's r[i] holds elements (g, 2t), (g, 2t + 1)
+// of matrix i, whose row j goes to the address lane 8i + j gives. One
+// instruction where 4-byte stores take sixteen.
+__device__ __forceinline__ void stmatrix_x4(void* shared, const uint32_t (&r)[4]) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :
+               : "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 // ---- depthwise taps on the tensor cores ---------------------------------------
@@ -379,6 +436,7 @@ struct TileOutput {
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
   bool vector;    // rows of 16-byte-aligned multiples of 8 channels (the norm's tensors aligned too)
+  Divisor units;  // of a row in the row layouts' loops: 16-byte units if vector, else elements
   bool activated;
   ActivationForm act;
   const T* norm_weight;
@@ -462,7 +520,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
     }
   } else if (o.vector && !norm) {
     // Rows of whole 16-byte units, activated in pairs.
-    for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
+    for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
@@ -475,7 +533,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = chunk;
     }
   } else if (o.vector) {
-    for (GridCursor at(o.channels / 8); at.row < kTileRows; at.advance()) {
+    for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
@@ -491,7 +549,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
       *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = pack8<T>(v);
     }
   } else {
-    for (GridCursor at(o.channels); at.row < kTileRows; at.advance()) {
+    for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
       const int r = at.row, c = at.column;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;

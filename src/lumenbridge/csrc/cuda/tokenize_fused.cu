@@ -40,10 +40,11 @@ struct StageGemm {
   const T* dw_weight;  // [Cin, 1, K, K]
   const T* dw_bias;
   PointwiseWeight<T> pw;
-  int k_padded;  // Cin rounded up to kChannelGroup
+  int k_padded;              // Cin rounded up to kChannelGroup
+  Divisor channel_groups;    // k_padded / kChannelGroup
   TileOutput<T> output;
-  T* saved_rows;  // tokenize_for_training: A's rows, [pixels, saved_width]; else null
-  int saved_width;
+  T* saved_rows;         // tokenize_for_training: A's rows, [pixels, 8 * saved_units]; else null
+  Divisor saved_units;   // 16-byte units of a saved row
 };
 
 // Shared memory of a block: row bookkeeping, A, then a region that holds the
@@ -77,13 +78,14 @@ bool two_blocks_fit(size_t shared_bytes) {
 template <typename T>
 __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGemm<T>& s, const RowInfo& rows) {
   const int cin = s.pw.in_channels;
-  for (GridCursor at(s.saved_width / 8); at.row < kTileRows; at.advance()) {
+  const int width = s.saved_units.value * 8;
+  for (GridCursor at(s.saved_units); at.row < kTileRows; at.advance()) {
     const int64_t pixel = rows.pixel[at.row];
     if (pixel < 0) continue;
     const int c0 = at.column * 8;
     uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
     if (c0 <= cin && cin < c0 + 8) reinterpret_cast<T*>(&chunk)[cin - c0] = T(1.0f);
-    *reinterpret_cast<uint4*>(s.saved_rows + pixel * s.saved_width + c0) = chunk;
+    *reinterpret_cast<uint4*>(s.saved_rows + pixel * width + c0) = chunk;
   }
 }
 
@@ -278,7 +280,7 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
-  for (GridCursor at(Kp / kChannelGroup, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16; at.advance()) {
+  for (GridCursor at(s.channel_groups, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16; at.advance()) {
     const int c = at.column * kChannelGroup + lane % 4 * 8;
     const int r[2] = {at.row * 16 + lane / 4, at.row * 16 + lane / 4 + 8};
     float d[4][4];
@@ -373,9 +375,11 @@ struct FirstArgs {
   const T* pw1_bias;
   T* saved_rows1;       // tokenize_for_training: the stage-1 depthwise rows, [N * H1 * W1, 8]; else null
   int C1, H1, W1;       // stage-1 outputs
-  int H2, W2, tiles_y, tiles_x, tiles;
+  int H2, W2, tiles;
+  Divisor tiles_y, tiles_x;  // tiles per image column and row
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
-  int win1_h, win1_w, win0_h, win0_w;
+  int win1_h, win0_h;
+  Divisor win1_w, win0_w;
   int s1_stride;
   // Within the region: the per-tile buffers, then (past the output tile's
   // reach) the weights and taps every tile of a block uses.
@@ -387,32 +391,36 @@ struct FirstArgs {
 // [C0][win0_h][win0_w]; zero outside the image. Threads take window
 // positions (the same ones for every channel, so their offsets are computed
 // once), and every load of every channel is issued before any is used: a
-// block waits for one memory round trip. Offsets step by the layout's
-// strides: no division and no 64-bit multiply per element.
+// block waits for one memory round trip. A position outside the image reads
+// the nearest pixel inside it (its coordinates clamped), so every load is
+// in bounds, with no branch or select of an address; the value is then
+// replaced by zero. Offsets from the window's corner are ints (launch_first
+// checks that a window spans fewer than 2^31 elements); the 64-bit
+// products with the image's and the channel's strides happen once per tile.
 template <typename In, typename T, int K>
 __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
                                   float* image) {
   constexpr int kWindow = ((kTile - 1) * 2 + K - 1) * 2 + K;  // both strides 2: the widest for this K
   constexpr int kSlots = ceil_div(kWindow * kWindow, kThreads);
-  const int64_t x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? int64_t{a.W0} * a.C0 : a.W0;
+  const int x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? a.W0 * a.C0 : a.W0;
   const int64_t c_step = a.nhwc ? 1 : int64_t{a.H0} * a.W0;
-  const In* origin = images + n * a.C0 * a.H0 * a.W0;
-  const int window = a.win0_h * a.win0_w;
+  const In* corner = images + n * a.C0 * a.H0 * a.W0 + int64_t{y_origin} * y_step + int64_t{x_origin} * x_step;
+  const int window = a.win0_h * a.win0_w.value;
   bool inside[kSlots];
-  int64_t offset[kSlots];
+  int offset[kSlots];
   GridCursor at(a.win0_w);
 #pragma unroll
   for (int s = 0; s < kSlots; ++s, at.advance()) {
     const int y = y_origin + at.row, x = x_origin + at.column;
-    inside[s] = at.row < a.win0_h && y >= 0 && y < a.H0 && x >= 0 && x < a.W0;
-    // Positions outside read the image's first pixel, so the loads carry no
-    // branch and all issue before the first is used.
-    offset[s] = inside[s] ? y * y_step + x * x_step : 0;
+    const int y_in = min(max(y, 0), a.H0 - 1), x_in = min(max(x, 0), a.W0 - 1);
+    inside[s] = at.row < a.win0_h && y == y_in && x == x_in;
+    offset[s] = (y_in - y_origin) * y_step + (x_in - x_origin) * x_step;
   }
   float v[kMaxImageChannels][kSlots];
 #pragma unroll
   for (int c = 0; c < kMaxImageChannels; ++c) {
-    const In* plane = origin + min(c, a.C0 - 1) * c_step;
+    if (c >= a.C0) break;
+    const In* plane = corner + c * c_step;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) v[c][s] = static_cast<float>(__ldg(plane + offset[s]));
   }
@@ -420,26 +428,28 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
   for (int c = 0; c < kMaxImageChannels; ++c) {
     if (c >= a.C0) break;
     const float mean = a.normalization.mean[c], inv_std = a.normalization.inv_std[c];
+    float* plane = image + c * window + threadIdx.x;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
-      const int q = threadIdx.x + s * kThreads;
       // Zero after normalization: padding is zero in normalized space.
       const float value = normalized<In>(v[c][s], mean, inv_std);
-      if (q < window) image[c * window + q] = inside[s] ? value : 0.0f;
+      if (threadIdx.x + s * kThreads < window) plane[s * kThreads] = inside[s] ? value : 0.0f;
     }
   }
 }
 
 // The stage-1 pointwise weight as m16n8k8 B operands, [Kp][8] in T (input
-// channels past C0 and output channels past C1 zero), then its bias in float.
+// channels past C0 and output channels past C1 zero), then its bias in float
+// as the mma's c quads: {b[n], b[n + 1], b[n], b[n + 1]} for each even n.
 template <typename T>
 __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
   copy_small(
       Kp * 8, [&](int i) { return __ldg(a.pw1_weight + min(i / 8, a.C1 - 1) * a.C0 + min(i % 8, a.C0 - 1)); },
       [&](int i, T value) { w1[i] = i / 8 < a.C1 && i % 8 < a.C0 ? value : T(0.0f); });
+  auto channel = [](int i) { return i / 4 * 2 + i % 2; };
   copy_small(
-      Kp, [&](int n) { return __ldg(a.pw1_bias + min(n, a.C1 - 1)); },
-      [&](int n, T value) { b1[n] = n < a.C1 ? static_cast<float>(value) : 0.0f; });
+      2 * Kp, [&](int i) { return __ldg(a.pw1_bias + min(channel(i), a.C1 - 1)); },
+      [&](int i, T value) { b1[i] = channel(i) < a.C1 ? static_cast<float>(value) : 0.0f; });
 }
 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
@@ -456,7 +466,7 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 template <typename T, int K>
 __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
                                  int padded_rows, int64_t n, int y_origin, int x_origin) {
-  const int win1 = a.win1_h * a.win1_w, win0 = a.win0_h * a.win0_w;
+  const int win1 = a.win1_h * a.win1_w.value, win0 = a.win0_h * a.win0_w.value;
   GridCursor at(a.win1_w);
   for (int q = threadIdx.x; q < padded_rows; q += kThreads, at.advance()) {
     float out[8] = {};
@@ -468,13 +478,13 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 #pragma unroll
       for (int c = 0; c < kMaxImageChannels; ++c) {
         if (c >= a.C0) continue;
-        const float* src = image + c * win0 + (y * a.stride1) * a.win0_w + x * a.stride1;
+        const float* src = image + c * win0 + (y * a.stride1) * a.win0_w.value + x * a.stride1;
         float acc = taps1[K * K * kMaxImageChannels + c];
 #pragma unroll
         for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
           for (int kx = 0; kx < K; ++kx) {
-            acc = fmaf(taps1[(ky * K + kx) * kMaxImageChannels + c], src[ky * a.win0_w + kx], acc);
+            acc = fmaf(taps1[(ky * K + kx) * kMaxImageChannels + c], src[ky * a.win0_w.value + kx], acc);
           }
         }
         out[c] = acc;
@@ -501,46 +511,44 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // step wait for the one before (ncu: "wait" was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
-                                 T* s1, int Kp) {
+                                 T* s1) {
   constexpr int kSteps = kChannelGroup / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
-  const int win1 = a.win1_h * a.win1_w;
-  const int chunks = Kp / kChannelGroup;
-  for (GridCursor at(chunks, warp, kWarps); at.row < ceil_div(win1, 16); at.advance()) {
+  const int win1 = a.win1_h * a.win1_w.value;
+  for (GridCursor at(a.gemm.channel_groups, warp, kWarps); at.row < ceil_div(win1, 16); at.advance()) {
     const int q0 = at.row * 16 + group, q1 = q0 + 8;
     const int n0 = at.column * kChannelGroup;
     const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
                               *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
     const bool keep0 = inside[q0], keep1 = inside[q1];
     float acc[kSteps][4];
-    uint32_t weight[kSteps];
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      const float2 bias = *reinterpret_cast<const float2*>(b1 + n0 + j * 8 + quad * 2);
-      acc[j][0] = acc[j][2] = bias.x;
-      acc[j][1] = acc[j][3] = bias.y;
-      weight[j] = *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2);
+      const float4 bias = *reinterpret_cast<const float4*>(b1 + 2 * (n0 + j * 8 + quad * 2));
+      const uint32_t weight = *reinterpret_cast<const uint32_t*>(w1 + (n0 + j * 8 + group) * 8 + quad * 2);
+      mma_1688<T>(acc[j], frag, weight, bias);
     }
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) mma_1688<T>(acc[j], frag, weight[j]);
     uint32_t y[kSteps][2];
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       y[j][0] = activate_pair<T>(acc[j][0], acc[j][1], a.act1);
       y[j][1] = activate_pair<T>(acc[j][2], acc[j][3], a.act1);
     }
-    T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
-    T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
     // Most items lie wholly inside the stage-1 extent and the window: those
-    // store without a select or a bounds test per value (a warp-uniform branch).
+    // store without a select or a bounds test per value (a warp-uniform
+    // branch), as two stmatrix: matrix i of the first holds channels
+    // n0 + 8 (i / 2) .. + 7 of rows 16 at.row + 8 (i % 2) .. + 7, the second
+    // the next 16 channels.
     if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        *reinterpret_cast<uint32_t*>(row0 + j * 8) = y[j][0];
-        *reinterpret_cast<uint32_t*>(row1 + j * 8) = y[j][1];
-      }
+      static_assert(kSteps == 4, "two stmatrix of four matrices");
+      const int i = lane / 8;
+      T* row = s1 + (at.row * 16 + lane % 8 + 8 * (i % 2)) * a.s1_stride + n0 + 8 * (i / 2);
+      stmatrix_x4(row, {y[0][0], y[0][1], y[1][0], y[1][1]});
+      stmatrix_x4(row + 16, {y[2][0], y[2][1], y[3][0], y[3][1]});
     } else {
+      T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
+      T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
 #pragma unroll
       for (int j = 0; j < kSteps; ++j) {
         if (q0 < win1) *reinterpret_cast<uint32_t*>(row0 + j * 8) = keep0 ? y[j][0] : 0u;
@@ -571,8 +579,8 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
   const int px = stage2_column<S2>(lane / 4);
-  const int64_t row_step = int64_t{a.win1_w} * a.s1_stride;
-  for (GridCursor at(Kp / kChannelGroup, threadIdx.x / 32, kWarps); at.row < kTileRows / 16; at.advance()) {
+  const int64_t row_step = int64_t{a.win1_w.value} * a.s1_stride;
+  for (GridCursor at(a.gemm.channel_groups, threadIdx.x / 32, kWarps); at.row < kTileRows / 16; at.advance()) {
     const int c = at.column * kChannelGroup + lane % 4 * 8;
     const int py = at.row * 2;
     float d[4][4];
@@ -581,7 +589,7 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
       load_floats8(tap_bias<K>(taps, Kp) + c, bias);
       diagonal_start(d, bias);
     }
-    const T* window0 = s1 + (py * S2 * a.win1_w + px * S2) * a.s1_stride + c;
+    const T* window0 = s1 + (py * S2 * a.win1_w.value + px * S2) * a.s1_stride + c;
     const T* window1 = window0 + S2 * row_step;
 #pragma unroll
     for (int ky = 0; ky < K; ++ky) {
@@ -614,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   unsigned char* region = shared + args.layout.region_offset;
   float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][win0_h][win0_w]
-  const int padded_rows = round_up(args.win1_h * args.win1_w, 16);
+  const int padded_rows = round_up(args.win1_h * args.win1_w.value, 16);
   T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
   T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
@@ -630,9 +638,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
   for (int tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
-    const int tx = tile % args.tiles_x * kTile;
-    const int ty = tile / args.tiles_x % args.tiles_y * kTile;
-    const int64_t n = tile / args.tiles_x / args.tiles_y;
+    const int tile_row = args.tiles_x.quotient(tile);  // over the batch
+    const int64_t n = args.tiles_y.quotient(tile_row);
+    const int tx = (tile - tile_row * args.tiles_x.value) * kTile;
+    const int ty = (tile_row - static_cast<int>(n) * args.tiles_y.value) * kTile;
     const int y1_origin = ty * args.stride2 - pad, x1_origin = tx * args.stride2 - pad;
     const int y0_origin = y1_origin * args.stride1 - pad, x0_origin = x1_origin * args.stride1 - pad;
 
@@ -651,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, n, y1_origin, x1_origin);
     __syncthreads();
 
-    stage1_pointwise(args, d1, inside, w1, b1, s1, Kp);
+    stage1_pointwise(args, d1, inside, w1, b1, s1);
     __syncthreads();
 
     if (args.stride2 == 2) {
@@ -685,7 +694,7 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   g.s1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
   g.w1_offset =
       std::max(g.s1_offset + align16(elem * win1 * g.s1_stride), align16(out_tile_bytes(out_channels, elem)));
-  g.taps_offset = g.w1_offset + align16((elem * 8 + sizeof(float)) * k_padded);
+  g.taps_offset = g.w1_offset + align16((elem * 8 + 2 * sizeof(float)) * k_padded);
   g.taps1_offset = g.taps_offset + align16(taps_with_bias_bytes(K, k_padded, elem));
   g.scratch = g.taps1_offset + align16(float_taps_bytes(K, kMaxImageChannels));
   return g;
@@ -754,9 +763,10 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, const TileOutput<T>& output,
   g.pw.out_channels = static_cast<int>(stage.out_channels);
   g.pw.vector = stage.in_channels % 8 == 0 && aligned16(g.pw.weight);
   g.k_padded = round_up(static_cast<int>(stage.in_channels), kChannelGroup);
+  g.channel_groups = Divisor::of(g.k_padded / kChannelGroup);
   g.output = output;
   g.saved_rows = saved.defined() ? saved.data_ptr<T>() : nullptr;
-  g.saved_width = saved.defined() ? static_cast<int>(saved.size(1)) : 0;
+  g.saved_units = Divisor::of(saved.defined() ? static_cast<int>(saved.size(1)) / 8 : 1);
   return g;
 }
 
@@ -778,6 +788,7 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
   o.norm_bias = last && p.has_token_norm() ? p.token_norm_bias.data_ptr<T>() : nullptr;
   o.vector = stage.out_channels % 8 == 0 && aligned16(o.out) && aligned16(o.saved_output) &&
              aligned16(o.norm_weight) && aligned16(o.norm_bias);
+  o.units = Divisor::of(o.vector ? o.channels / 8 : o.channels);
   o.eps = static_cast<float>(p.eps);
   return o;
 }
@@ -809,16 +820,20 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.W1 = static_cast<int>(s1.out_w);
   a.H2 = static_cast<int>(s2.out_h);
   a.W2 = static_cast<int>(s2.out_w);
-  a.tiles_y = ceil_div(a.H2, kTile);
-  a.tiles_x = ceil_div(a.W2, kTile);
-  const int64_t tiles = p.N * a.tiles_y * a.tiles_x;
+  a.tiles_y = Divisor::of(ceil_div(a.H2, kTile));
+  a.tiles_x = Divisor::of(ceil_div(a.W2, kTile));
+  const int64_t tiles = p.N * a.tiles_y.value * a.tiles_x.value;
   a.tiles = static_cast<int>(grid_x(tiles));  // tile indices are ints
   const FirstGeometry g =
       first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
+  const int64_t window_span = (int64_t{g.win0_h} - 1) * p.W * p.C + (int64_t{g.win0_w} - 1) * p.C;
+  TORCH_CHECK(window_span <= std::numeric_limits<int32_t>::max(),
+              "LumenBridge: images too wide for the fused kernels (", text(g.win0_h),
+              " rows of an image must hold fewer than 2^31 elements), got [C, H, W] = ", text({p.C, p.H, p.W}));
   a.win1_h = g.win1_h;
-  a.win1_w = g.win1_w;
+  a.win1_w = Divisor::of(g.win1_w);
   a.win0_h = g.win0_h;
-  a.win0_w = g.win0_w;
+  a.win0_w = Divisor::of(g.win0_w);
   a.s1_stride = g.s1_stride;
   a.image_offset = g.image_offset;
   a.d1_offset = g.d1_offset;

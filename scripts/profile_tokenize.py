@@ -117,6 +117,29 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
         print(f"{wait:8.1f}  before {name[:100]}")
 
 
+def host_before_first_kernel(step, rows: int = 30) -> None:
+    """Within one step (under the profiler, which slows the host), what the
+    host ran between the step's start and the first kernel's start: CPU ops
+    and CUDA runtime calls in start order, with their offsets from the
+    step's start and their durations (us). With the GPU idle until that
+    kernel, this is the host's share of a synchronized step."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("lumenbridge-step"):
+            step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    start = next(e.time_range.start for e in events if e.name == "lumenbridge-step")
+    first = min(e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    before = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CPU and start <= e.time_range.start < first),
+        key=lambda e: e.time_range.start,
+    )
+    print(f"host before the first kernel (profiled): {first - start:.1f} us; its CPU events (offset, duration, us):")
+    for e in [e for e in before if e.name != "lumenbridge-step"][:rows]:
+        print(f"{e.time_range.start - start:8.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:100]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
@@ -139,6 +162,7 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
             time_steps(step, args.batch)
             synchronized_steps(step)
+            host_before_first_kernel(step)
         return
     model.eval()
     for kind in ("uint8", "float"):

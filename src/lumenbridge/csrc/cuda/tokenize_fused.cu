@@ -394,8 +394,8 @@ struct FirstArgs {
 // block waits for one memory round trip. A position outside the image reads
 // the nearest pixel inside it (its coordinates clamped), so every load is
 // in bounds, with no branch or select of an address; the value is then
-// replaced by zero. Offsets from the window's corner are ints (launch_first
-// checks that a window spans fewer than 2^31 elements); the 64-bit
+// replaced by zero. Offsets from the window's corner are ints (wider images
+// take the composed kernels: window_offsets_fit); the 64-bit
 // products with the image's and the channel's strides happen once per tile.
 template <typename In, typename T, int K>
 __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
@@ -682,11 +682,17 @@ struct FirstGeometry {
   size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, scratch;
 };
 
+// Sides of a first-kernel tile's square windows, in stage-1 and in image pixels.
+constexpr int stage1_window_side(int K, int stride2) { return (kTile - 1) * stride2 + K; }
+constexpr int image_window_side(int K, int stride1, int stride2) {
+  return (stage1_window_side(K, stride2) - 1) * stride1 + K;
+}
+
 FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels,
                              size_t elem) {
   FirstGeometry g;
-  g.win1_h = g.win1_w = (kTile - 1) * stride2 + K;
-  g.win0_h = g.win0_w = (g.win1_h - 1) * stride1 + K;
+  g.win1_h = g.win1_w = stage1_window_side(K, stride2);
+  g.win0_h = g.win0_w = image_window_side(K, stride1, stride2);
   g.s1_stride = padded_stride(k_padded);
   const int win1 = g.win1_h * g.win1_w;
   g.image_offset = 0;
@@ -698,6 +704,14 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   g.taps1_offset = g.taps_offset + align16(taps_with_bias_bytes(K, k_padded, elem));
   g.scratch = g.taps1_offset + align16(float_taps_bytes(K, kMaxImageChannels));
   return g;
+}
+
+// Whether the offsets within a first-kernel image window, rows of W x C
+// elements, fit the int that load_image_window keeps them in.
+bool window_offsets_fit(const TokenizeProblem& p) {
+  const int64_t side = image_window_side(static_cast<int>(p.K), static_cast<int>(p.stages[0].stride),
+                                         static_cast<int>(p.stages[1].stride));
+  return (side - 1) * (p.W + 1) * p.C <= std::numeric_limits<int32_t>::max();
 }
 
 size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
@@ -826,10 +840,7 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.tiles = static_cast<int>(grid_x(tiles));  // tile indices are ints
   const FirstGeometry g =
       first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  const int64_t window_span = (int64_t{g.win0_h} - 1) * p.W * p.C + (int64_t{g.win0_w} - 1) * p.C;
-  TORCH_CHECK(window_span <= std::numeric_limits<int32_t>::max(),
-              "LumenBridge: images too wide for the fused kernels (", text(g.win0_h),
-              " rows of an image must hold fewer than 2^31 elements), got [C, H, W] = ", text({p.C, p.H, p.W}));
+  TORCH_INTERNAL_ASSERT(window_offsets_fit(p), "fused_covers sends wider images to the composed kernels");
   a.win1_h = g.win1_h;
   a.win1_w = Divisor::of(g.win1_w);
   a.win0_h = g.win0_h;
@@ -934,13 +945,23 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
 
 namespace {
 
+// The configuration's answer (fused_unsupported_reason, which `lumenbridge
+// info` reports), then the images': rows too wide for the window's int
+// offsets (about 20 M pixels at K = 3) run the composed kernels, with a
+// warning, as the configuration alone cannot tell.
 bool fused_covers(const TokenizeProblem& p) {
   std::vector<int64_t> widths, strides;
   for (const TokenizeStage& s : p.stages) {
     widths.push_back(s.out_channels);
     strides.push_back(s.stride);
   }
-  return fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty();
+  if (!fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty()) return false;
+  if (!fused::window_offsets_fit(p)) {
+    TORCH_WARN_ONCE("LumenBridge: images ", p.W, " pixels wide run the composed kernels: the fused kernels ",
+                    "address an image window of rows that wide with 32-bit offsets");
+    return false;
+  }
+  return true;
 }
 
 at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {

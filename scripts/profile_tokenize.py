@@ -37,11 +37,16 @@ def images(kind: str, batch: int) -> torch.Tensor:
 
 
 def run(call, warmups: int, calls: int, profiled: bool):
-    """call() warmups times, then calls times (under the profiler if profiled)."""
+    """call() warmups times, then calls times: under the profiler if
+    profiled, else plainly, so that ncu (which skips the first launches of
+    each kernel and profiles the next few) sees the same calls."""
     for _ in range(warmups):
         call()
     torch.cuda.synchronize()
     if not profiled:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
         return None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

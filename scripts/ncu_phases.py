@@ -43,22 +43,22 @@ def number(text: str) -> float:
 
 
 def read_kernels(path: str) -> list[Kernel]:
-    """The CSV holds one block per kernel: a "Kernel Name" row (absent when ncu
-    profiled a single kernel), a header row, then its instructions; ncu's own
-    messages before a header are skipped."""
+    """The CSV holds one block per profiled launch: a "Kernel Name" row (which
+    ncu may leave out), a header row, then its instructions; each header
+    starts a kernel, and ncu's own messages before a header are skipped."""
     kernels: list[Kernel] = []
     header: list[str] | None = None
+    name: str | None = None
     with open(path, newline="") as f:
         for row in csv.reader(f):
             if not row:
                 continue
             if row[0] == "Kernel Name":
-                kernels.append(Kernel(row[1] if len(row) > 1 else "?", []))
-                header = None
+                name = row[1] if len(row) > 1 else "?"
             elif "Address" in row and "Source" in row:
                 header = row
-                if not kernels:
-                    kernels.append(Kernel("the profiled kernel", []))
+                kernels.append(Kernel(name or "the profiled kernel", []))
+                name = None
             elif header is not None:
                 add_instruction(kernels[-1], header, row)
     return kernels

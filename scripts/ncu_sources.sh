@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Where LumenBridge's kernels stall: one ncu profile per kernel (B=256, bf16)
-# with warp-state statistics, memory traffic and the per-instruction stall
+# Where LumenBridge's kernels stall: ncu profiles of three launches of the
+# kernels KERNELS matches (B=256, bf16; the launches after the first three
+# it matches) with warp-state statistics, memory traffic and the per-instruction stall
 # samples as CSV, for reading against the SASS, split into the phases between
 # barriers by scripts/ncu_phases.py (phases.md). By default the fused
 # forward's kernels, from uint8 input; KERNELS (an ncu name regex) picks
@@ -24,5 +25,5 @@ ncu --import "$out/stalls.ncu-rep" --print-details all > "$out/stalls.txt" 2>&1 
 ncu --import "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls-sass.csv" 2>&1 || true
 python3 scripts/ncu_phases.py "$out/stalls-sass.csv" > "$out/phases.md" || true
 grep -E "$kernels|Duration|Stall|Warp Cycles Per Issued|Issue Slots|Achieved Occupancy|DRAM Throughput|L2 Hit|L1/TEX Hit" \
-  "$out/stalls.txt" | head -80
+  "$out/stalls.txt" | head -80 || true
 cat "$out/phases.md"

@@ -38,8 +38,8 @@ def images(kind: str, batch: int) -> torch.Tensor:
 
 def run(call, warmups: int, calls: int, profiled: bool):
     """call() warmups times, then calls times: under the profiler if
-    profiled, else plainly, so that ncu (which skips the first launches of
-    each kernel and profiles the next few) sees the same calls."""
+    profiled, else plainly, so that ncu (which skips the first launches its
+    kernel filter matches and profiles the next few) sees the same calls."""
     for _ in range(warmups):
         call()
     torch.cuda.synchronize()

@@ -73,3 +73,15 @@ def test_a_single_kernel_without_a_name_row_after_ncu_messages(tmp_path):
     (kernel,) = ncu_phases.read_kernels(str(tmp_path / "stalls-sass.csv"))
     assert kernel.name == "the profiled kernel"
     assert [(p.samples, p.instructions) for p in kernel.phases] == [(40, 1100), (0, 0)]
+
+
+def test_each_header_without_a_name_row_starts_a_kernel(tmp_path):
+    launch = [
+        HEADER,
+        ["0x10", "IMAD R1, R2, R3", "30", "1,000", "30", "0", "7"],
+        ["0x20", "EXIT", "10", "100", "0", "10", "5"],
+    ]
+    with (tmp_path / "stalls-sass.csv").open("w", newline="") as f:
+        csv.writer(f).writerows(launch + launch)
+    kernels = ncu_phases.read_kernels(str(tmp_path / "stalls-sass.csv"))
+    assert [k.phases[0].instructions for k in kernels] == [1100, 1100]

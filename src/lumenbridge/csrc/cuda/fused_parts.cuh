@@ -199,9 +199,9 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
 }
 
 // d = a b + c for m16n8k8, c left as it is: the stage-1 pointwise step
-// starts from the bias without copying it into the accumulators (the tensor
-// cores read c as an aligned register quad, so a bias pair is kept in shared
-// memory as {b0, b1, b0, b1} and read with one 16-byte load).
+// starts from the bias without copying it into the accumulators. A lane's c
+// is columns 2t, 2t + 1 of rows g and g + 8, so the same two bias values
+// twice: kept in shared memory as {b0, b1, b0, b1}, one 16-byte load.
 template <typename T>
 __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], uint32_t b, const float4& c) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -220,7 +220,7 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
 // Four 8 x 8 matrices of 16-bit elements to shared memory from mma
 // accumulator fragments: lane 4g + t's r[i] holds elements (g, 2t), (g, 2t + 1)
 // of matrix i, whose row j goes to the address lane 8i + j gives. One
-// instruction where 4-byte stores take sixteen.
+// instruction where 4-byte stores take sixteen; sm_90 and later only.
 __device__ __forceinline__ void stmatrix_x4(void* shared, const uint32_t (&r)[4]) {
   const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"

@@ -387,6 +387,18 @@ struct FirstArgs {
   SharedLayout layout;
 };
 
+// Sides of a first-kernel tile's square windows, in stage-1 and in image pixels.
+constexpr int stage1_window_side(int K, int stride2) { return (kTile - 1) * stride2 + K; }
+constexpr int image_window_side(int K, int stride1, int stride2) {
+  return (stage1_window_side(K, stride2) - 1) * stride1 + K;
+}
+
+// Window positions a thread of load_image_window takes: enough for the
+// widest window of K (both strides 2).
+constexpr int window_slots(int K) {
+  return ceil_div(image_window_side(K, 2, 2) * image_window_side(K, 2, 2), kThreads);
+}
+
 // The image window of a tile, normalized, into shared memory as float
 // [C0][win0_h][win0_w]; zero outside the image. Threads take window
 // positions (the same ones for every channel, so their offsets are computed
@@ -394,14 +406,15 @@ struct FirstArgs {
 // block waits for one memory round trip. A position outside the image reads
 // the nearest pixel inside it (its coordinates clamped), so every load is
 // in bounds, with no branch or select of an address; the value is then
-// replaced by zero. Offsets from the window's corner are ints (wider images
-// take the composed kernels: window_offsets_fit); the 64-bit
+// replaced by zero; so are the slots past the window's last row (not
+// stored), which read rows below it. Offsets from the window's corner are
+// ints (window_offsets_fit bounds them; wider images take the composed
+// kernels); the 64-bit
 // products with the image's and the channel's strides happen once per tile.
 template <typename In, typename T, int K>
 __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64_t n, int y_origin, int x_origin,
                                   float* image) {
-  constexpr int kWindow = ((kTile - 1) * 2 + K - 1) * 2 + K;  // both strides 2: the widest for this K
-  constexpr int kSlots = ceil_div(kWindow * kWindow, kThreads);
+  constexpr int kSlots = window_slots(K);
   const int x_step = a.nhwc ? a.C0 : 1, y_step = a.nhwc ? a.W0 * a.C0 : a.W0;
   const int64_t c_step = a.nhwc ? 1 : int64_t{a.H0} * a.W0;
   const In* corner = images + n * a.C0 * a.H0 * a.W0 + int64_t{y_origin} * y_step + int64_t{x_origin} * x_step;
@@ -504,10 +517,10 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // Stage-1 outputs over the window, all Kp channels: the pointwise step on
 // the tensor cores (one m16n8k8 per 16 positions and 8 channels), bias,
 // activation, and zero outside the stage-1 extent (stage 2's padding). Warps
-// take (16 positions, 32 channels) items. An item reads all its operands,
-// then runs its four mma, then its eight activations, then stores: the
-// compiler cannot move a shared read above a shared store (it cannot tell
-// the buffers apart), so reads between the stores would make each 8-channel
+// take (16 positions, 32 channels) items. An item reads its operands and
+// runs its four mma, then its eight activations, then stores: the compiler
+// cannot move a shared read above a shared store (it cannot tell the
+// buffers apart), so reads between the stores would make each 8-channel
 // step wait for the one before (ncu: "wait" was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
@@ -541,11 +554,21 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
     // n0 + 8 (i / 2) .. + 7 of rows 16 at.row + 8 (i % 2) .. + 7, the second
     // the next 16 channels.
     if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       static_assert(kSteps == 4, "two stmatrix of four matrices");
       const int i = lane / 8;
       T* row = s1 + (at.row * 16 + lane % 8 + 8 * (i % 2)) * a.s1_stride + n0 + 8 * (i / 2);
       stmatrix_x4(row, {y[0][0], y[0][1], y[1][0], y[1][1]});
       stmatrix_x4(row + 16, {y[2][0], y[2][1], y[3][0], y[3][1]});
+#else  // no stmatrix before sm_90: a 4-byte store a pair
+      T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
+      T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        *reinterpret_cast<uint32_t*>(row0 + j * 8) = y[j][0];
+        *reinterpret_cast<uint32_t*>(row1 + j * 8) = y[j][1];
+      }
+#endif
     } else {
       T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
       T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
@@ -626,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
   T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
-  T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the float bias
+  T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the bias quads
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
   T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp], then the float bias
   float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
@@ -682,12 +705,6 @@ struct FirstGeometry {
   size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, scratch;
 };
 
-// Sides of a first-kernel tile's square windows, in stage-1 and in image pixels.
-constexpr int stage1_window_side(int K, int stride2) { return (kTile - 1) * stride2 + K; }
-constexpr int image_window_side(int K, int stride1, int stride2) {
-  return (stage1_window_side(K, stride2) - 1) * stride1 + K;
-}
-
 FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels,
                              size_t elem) {
   FirstGeometry g;
@@ -706,12 +723,17 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   return g;
 }
 
-// Whether the offsets within a first-kernel image window, rows of W x C
-// elements, fit the int that load_image_window keeps them in.
+// Whether every offset load_image_window forms fits its int: a slot's row
+// (up to the last slot's, below the window when its side is smaller than
+// the widest) times the images' row step, plus a column within the window
+// times the pixel step.
 bool window_offsets_fit(const TokenizeProblem& p) {
-  const int64_t side = image_window_side(static_cast<int>(p.K), static_cast<int>(p.stages[0].stride),
-                                         static_cast<int>(p.stages[1].stride));
-  return (side - 1) * (p.W + 1) * p.C <= std::numeric_limits<int32_t>::max();
+  const int side = image_window_side(static_cast<int>(p.K), static_cast<int>(p.stages[0].stride),
+                                     static_cast<int>(p.stages[1].stride));
+  const int64_t last_row = (int64_t{window_slots(static_cast<int>(p.K))} * kThreads - 1) / side;
+  const bool nhwc = p.layout == Layout::NHWC;
+  const int64_t row_step = nhwc ? p.W * p.C : p.W, pixel_step = nhwc ? p.C : 1;
+  return last_row * row_step + (side - 1) * pixel_step <= std::numeric_limits<int32_t>::max();
 }
 
 size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
@@ -947,7 +969,7 @@ namespace {
 
 // The configuration's answer (fused_unsupported_reason, which `lumenbridge
 // info` reports), then the images': rows too wide for the window's int
-// offsets (about 20 M pixels at K = 3) run the composed kernels, with a
+// offsets (tens of millions of elements) run the composed kernels, with a
 // warning, as the configuration alone cannot tell.
 bool fused_covers(const TokenizeProblem& p) {
   std::vector<int64_t> widths, strides;

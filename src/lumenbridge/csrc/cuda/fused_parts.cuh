@@ -181,26 +181,10 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-// m16n8k8: the stage-1 pointwise step, whose K (the image channels, at most 8)
-// fits one k8 step.
-template <typename T>
-__device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], uint32_t b) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b));
-  }
-}
-
-// d = a b + c for m16n8k8, c left as it is: the stage-1 pointwise step
-// starts from the bias without copying it into the accumulators. A lane's c
-// is columns 2t, 2t + 1 of rows g and g + 8, so the same two bias values
+// m16n8k8, d = a b + c with c left as it is: the stage-1 pointwise step,
+// whose K (the image channels, at most 8) fits one k8 step, starts from the
+// bias this way without copying it into the accumulators. A lane's c is
+// columns 2t, 2t + 1 of rows g and g + 8, so the same two bias values
 // twice: kept in shared memory as {b0, b1, b0, b1}, one 16-byte load.
 template <typename T>
 __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], uint32_t b, const float4& c) {
@@ -215,6 +199,12 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c.x), "f"(c.y), "f"(c.z), "f"(c.w));
   }
+}
+
+// d += a b for m16n8k8: the depthwise taps' diagonal mma (diagonal_tap).
+template <typename T>
+__device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], uint32_t b) {
+  mma_1688<T>(d, a, b, make_float4(d[0], d[1], d[2], d[3]));
 }
 
 // Four 8 x 8 matrices of 16-bit elements to shared memory from mma

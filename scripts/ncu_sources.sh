@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Where LumenBridge's kernels stall: ncu profiles of three launches of the
-# kernels KERNELS matches (B=256, bf16; the launches after the first three
+# kernels KERNELS matches (bf16, B=256 unless BATCH says; the launches after the first three
 # it matches) with warp-state statistics, memory traffic and the per-instruction stall
 # samples as CSV, for reading against the SASS, split into the phases between
 # barriers by scripts/ncu_phases.py (phases.md). By default the fused
 # forward's kernels, from uint8 input; KERNELS (an ncu name regex) picks
 # others, and TRAIN=1 profiles a training step (float input) instead, as in
-# scripts/ncu_tokenize.sh.
-# Usage: [KERNELS=REGEX] [TRAIN=1] bash scripts/ncu_sources.sh OUTDIR
+# scripts/ncu_tokenize.sh. BATCH sets the batch (default 256).
+# Usage: [KERNELS=REGEX] [TRAIN=1] [BATCH=B] bash scripts/ncu_sources.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 ncu --clock-control none -k "regex:$kernels" --launch-skip 3 --launch-count 3 --import-source yes \
   --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
   --section MemoryWorkloadAnalysis \
-  -o "$out/stalls" -f python3 scripts/profile_tokenize.py --batch 256 --no-profiler "${mode[@]}" \
+  -o "$out/stalls" -f python3 scripts/profile_tokenize.py --batch "${BATCH:-256}" --no-profiler "${mode[@]}" \
   > "$out/ncu-run.txt" 2>&1
 ncu --import "$out/stalls.ncu-rep" --print-details all > "$out/stalls.txt" 2>&1 || true
 ncu --import "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls-sass.csv" 2>&1 || true

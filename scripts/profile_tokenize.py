@@ -14,6 +14,7 @@ Usage: python scripts/profile_tokenize.py [--batch B] [--train] [--no-profiler]"
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -122,27 +123,82 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
         print(f"{wait:8.1f}  before {name[:100]}")
 
 
-def host_before_first_kernel(step, rows: int = 30) -> None:
-    """Within one step (under the profiler, which slows the host), what the
-    host ran between the step's start and the first kernel's start: CPU ops
-    and CUDA runtime calls in start order, with their offsets from the
-    step's start and their durations (us). With the GPU idle until that
-    kernel, this is the host's share of a synchronized step."""
+def host_timeline(step, rows: int = 60) -> None:
+    """Within one step (a training step, or a forward) under the profiler,
+    what the host ran from the step's start until the forward op returned:
+    CPU ops and CUDA runtime calls in start order, with their offsets from
+    the step's start and their durations (us), and where the first kernel
+    started. The profiler's first step sets up its buffers, so the second of
+    two profiled steps is the one read. With the GPU idle until the first
+    kernel, the host's time before it is the host's share of a synchronized
+    step (the profiler slows the host: host_times has the plain figures)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with torch.profiler.record_function("lumenbridge-step"):
-            step()
-        torch.cuda.synchronize()
+        for index in range(2):
+            with torch.profiler.record_function(f"lumenbridge-step-{index}"):
+                step()
+            torch.cuda.synchronize()
     events = prof.events()
-    start = next(e.time_range.start for e in events if e.name == "lumenbridge-step")
-    first = min(e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    before = sorted(
-        (e for e in events if e.device_type == torch.autograd.DeviceType.CPU and start <= e.time_range.start < first),
+    start = next(e.time_range.start for e in events if e.name == "lumenbridge-step-1")
+    op = next(e for e in events if e.name.startswith("lumenbridge::tokenize") and e.time_range.start >= start)
+    first = min(
+        e.time_range.start
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= start
+    )
+    shown = sorted(
+        (
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU
+            and start <= e.time_range.start <= op.time_range.end
+            and not e.name.startswith("lumenbridge-step")
+        ),
         key=lambda e: e.time_range.start,
     )
-    print(f"host before the first kernel (profiled): {first - start:.1f} us; its CPU events (offset, duration, us):")
-    for e in [e for e in before if e.name != "lumenbridge-step"][:rows]:
+    print(
+        f"host timeline (profiled): first kernel at {first - start:.1f} us, {op.name} from "
+        f"{op.time_range.start - start:.1f} to {op.time_range.end - start:.1f} us; CPU events (offset, duration, us):"
+    )
+    for e in shown[:rows]:
         print(f"{e.time_range.start - start:8.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:100]}")
+
+
+def host_us(call, repeats: int = 50) -> float:
+    """Median host time of call() in us (perf_counter), the GPU idle at each
+    start as in a synchronized step."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def no_grad_call(op, args):
+    with torch.no_grad():
+        return op(*args)
+
+
+def host_times(model, x: torch.Tensor, step=None) -> None:
+    """The host's time (no profiler) for the parts of a call: the op's
+    arguments, the op alone, the model's forward, and given a training step,
+    the whole step (forward and backward)."""
+    args = native.tokenize_arguments(x, model)
+    op = torch.ops.lumenbridge.tokenize_for_training if step is not None else torch.ops.lumenbridge.tokenize
+    parts = {
+        "tokenize_arguments": lambda: native.tokenize_arguments(x, model),
+        "the op alone": lambda: op(*args),
+        "the op alone, no autograd": lambda: no_grad_call(op, args),
+        "model(x)": lambda: model(x),
+    }
+    if step is not None:
+        parts["the training step"] = step
+    print("host time (us, median of 50, GPU idle at each start):")
+    for name, call in parts.items():
+        print(f"{host_us(call):9.1f}  {name}")
 
 
 def main() -> None:
@@ -167,7 +223,8 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
             time_steps(step, args.batch)
             synchronized_steps(step)
-            host_before_first_kernel(step)
+            host_timeline(step)
+            host_times(model, x, step)
         return
     model.eval()
     for kind in ("uint8", "float"):
@@ -177,6 +234,9 @@ def main() -> None:
         if prof is not None:
             print(f"== {kind} input, B={args.batch}, 10 calls")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=90))
+            with torch.inference_mode():
+                host_timeline(lambda x=x: model(x))
+                host_times(model, x, None)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,13 @@
 // nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
 // per 32 input channels. That load holds 8 consecutive input channels, so A's
 // columns are stored permuted to match (store_a8); no packed copy of the
-// weights exists anywhere.
+// weights exists anywhere. Where a launch has fewer tiles than its wave has
+// blocks (small batches), a tile's output columns are split between
+// `parts` blocks (TileOutput::parts): each computes the whole A and its
+// share of the GEMM and the epilogue.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -323,21 +327,21 @@ struct PointwiseWeight {
 constexpr int kBDepth = 2;
 
 // out_tile[row][n] = A[row] . weight[n] + bias[n] in T for the block's
-// kTileRows rows and all Cout columns (write_tile applies the activation).
+// kTileRows rows and the columns of n8 tiles tile_begin .. tile_end - 1:
+// all of them, or with Split a part's (write_tile applies the activation).
 // Each warp takes kNTiles column tiles per pass; each lane's B rows (one per
 // column tile) are fixed for a pass, so their addresses and bounds are
 // computed once, and its loads run kBDepth k-groups ahead of the multiplies
 // in a ring of registers.
-template <typename T, bool Vector>
+template <typename T, bool Vector, bool Split>
 __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw, T* out_tile,
-                          int out_stride) {
+                          int out_stride, int tile_begin, int tile_end) {
   constexpr int kDepth = Vector ? kBDepth + 1 : 1;  // the element path: no ring (rare; registers)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int group = lane / 4, quad = lane % 4;
-  const int column_tiles = (pw.out_channels + 7) / 8;
   const int k_groups = k_padded / kChannelGroup;
   const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
-  for (int tile0 = warp * kNTiles; tile0 < column_tiles; tile0 += warps * kNTiles) {
+  for (int tile0 = tile_begin + warp * kNTiles; tile0 < tile_end; tile0 += warps * kNTiles) {
     // Element offsets of the lane's B rows (the weight has fewer than 2^31
     // elements: the gateway checks every tensor's size).
     int b_row[kNTiles];
@@ -346,7 +350,8 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
     auto load_b = [&](int j, int kg) {
       const int k = kg * kChannelGroup + quad * 8;
       if constexpr (Vector) {
-        const bool live = (tile0 + j) * 8 + group < pw.out_channels && k < pw.in_channels;
+        const bool live =
+            (!Split || tile0 + j < tile_end) && (tile0 + j) * 8 + group < pw.out_channels && k < pw.in_channels;
         return load_global16_if(pw.weight + (b_row[j] + kg * kChannelGroup), live);
       } else {
         return pw.load_elements((tile0 + j) * 8 + group, k);
@@ -399,7 +404,7 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
       const int n = (tile0 + j) * 8 + 2 * quad;
-      if (tile0 + j >= column_tiles) continue;
+      if (tile0 + j >= tile_end) continue;
 #pragma unroll
       for (int m = 0; m < (kTileRows / 16); ++m) {
         const int row = m * 16 + group;
@@ -426,7 +431,9 @@ struct TileOutput {
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
   bool vector;    // rows of 16-byte-aligned multiples of 8 channels (the norm's tensors aligned too)
-  Divisor units;  // of a row in the row layouts' loops: 16-byte units if vector, else elements
+  int parts;      // blocks a tile's columns are split between (a cluster of them with a token norm)
+  int columns;    // of a part: channels / parts, a multiple of 8 where parts > 1
+  Divisor units;  // of a part's row in the row layouts' loops: 16-byte units if vector, else elements
   bool activated;
   ActivationForm act;
   const T* norm_weight;
@@ -435,57 +442,111 @@ struct TileOutput {
 };
 
 // Shared-memory bookkeeping of one block: each row's flattened output pixel
-// index (or -1 past the edge) and, with a token norm, its mean and 1/std.
+// index (or -1 past the edge) and, with a token norm, its mean and 1/std,
+// and where a cluster of parts shares a tile, this part's sums of the row
+// and of its squared deviations, which the other parts read.
 struct RowInfo {
   int64_t pixel[kTileRows];
   float mean[kTileRows];
   float rstd[kTileRows];
+  float part_sums[2][kTileRows];
 };
 
+// The thread-block cluster of a tile's parts: a barrier across its blocks,
+// and the sum over its blocks of a float at the same shared-memory address
+// in each, added in rank order so every block gets the same total. The host
+// launches clusters only on sm_90 and later.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ float cluster_total(const float* local, int parts) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  float total = 0.0f;
+  for (int rank = 0; rank < parts; ++rank) total += *cluster.map_shared_rank(local, rank);
+  return total;
+#else
+  __trap();
+  return 0.0f;
+#endif
+}
+
+// A lane's share of the sum of row[c0 .. c1 - 1] (c0 a multiple of 8), or
+// if Centered of the squared deviations from `mean`: whole 16-byte units
+// where the row has them (rows start 16-byte aligned), then elements.
+template <bool Centered, typename T>
+__device__ __forceinline__ float lane_row_sum(const T* row, int c0, int c1, int lane, float mean) {
+  const int vector_end = c0 + (c1 - c0) / 8 * 8;
+  float sum = 0.0f;
+  for (int c = c0 + lane * 8; c < vector_end; c += 32 * 8) {
+    float v[8];
+    unpack8<T>(load_shared16(row + c), v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += Centered ? (v[e] - mean) * (v[e] - mean) : v[e];
+  }
+  for (int c = vector_end + lane; c < c1; c += 32) {
+    const float v = static_cast<float>(row[c]);
+    sum += Centered ? (v - mean) * (v - mean) : v;
+  }
+  return sum;
+}
+
 // Two passes over each row from shared memory, as PyTorch's LayerNorm does in
-// float from the rounded pointwise output.
-template <typename T>
-__device__ void row_statistics(const T* tile, int stride, int channels, float eps, RowInfo& rows) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < kTileRows; r += blockDim.x / 32) {
-    if (rows.pixel[r] < 0) continue;
-    const T* row = tile + r * stride;
-    // Whole 16-byte units where the row has them (rows start 16-byte aligned).
-    const int vector_end = channels / 8 * 8;
-    float sum = 0.0f;
-    for (int c = lane * 8; c < vector_end; c += 32 * 8) {
-      float v[8];
-      unpack8<T>(load_shared16(row + c), v);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += v[e];
+// float from the rounded pointwise output; with Split between a cluster's
+// parts, each pass summing every part's share.
+template <typename T, bool Split>
+__device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if constexpr (!Split) {
+    for (int r = warp; r < kTileRows; r += warps) {
+      if (rows.pixel[r] < 0) continue;
+      const T* row = tile + r * stride;
+      const float mean = warp_sum(lane_row_sum<false>(row, 0, o.channels, lane, 0.0f)) / o.channels;
+      const float variance = warp_sum(lane_row_sum<true>(row, 0, o.channels, lane, mean)) / o.channels;
+      if (lane == 0) {
+        rows.mean[r] = mean;
+        rows.rstd[r] = rsqrtf(variance + o.eps);
+      }
     }
-    for (int c = vector_end + lane; c < channels; c += 32) sum += static_cast<float>(row[c]);
-    const float mean = warp_sum(sum) / channels;
-    float squares = 0.0f;
-    for (int c = lane * 8; c < vector_end; c += 32 * 8) {
-      float v[8];
-      unpack8<T>(load_shared16(row + c), v);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) squares += (v[e] - mean) * (v[e] - mean);
+    return;
+  }
+  const int c0 = part * o.columns, c1 = c0 + o.columns;
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int r = warp; r < kTileRows; r += warps) {
+      if (rows.pixel[r] < 0) continue;
+      const T* row = tile + r * stride;
+      const float sum = warp_sum(pass == 0 ? lane_row_sum<false>(row, c0, c1, lane, 0.0f)
+                                           : lane_row_sum<true>(row, c0, c1, lane, rows.mean[r]));
+      if (lane == 0) rows.part_sums[pass][r] = sum;
     }
-    for (int c = vector_end + lane; c < channels; c += 32) {
-      const float d = static_cast<float>(row[c]) - mean;
-      squares += d * d;
+    cluster_barrier();
+    for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
+      if (rows.pixel[r] < 0) continue;
+      const float total = cluster_total(&rows.part_sums[pass][r], o.parts) / o.channels;
+      if (pass == 0) {
+        rows.mean[r] = total;
+      } else {
+        rows.rstd[r] = rsqrtf(total + o.eps);
+      }
     }
-    const float variance = warp_sum(squares) / channels;
-    if (lane == 0) {
-      rows.mean[r] = mean;
-      rows.rstd[r] = rsqrtf(variance + eps);
-    }
+    __syncthreads();
   }
 }
 
-// Writes the block's tile (after the GEMM, behind a barrier) to device memory.
-template <typename T>
-__device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, RowInfo& rows) {
+// Writes the block's tile, or with Split its part of the columns, (after
+// the GEMM, behind a barrier) to device memory.
+template <typename T, bool Split>
+__device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
   const bool norm = o.norm_weight != nullptr;
+  const int column0 = Split ? part * o.columns : 0, columns = Split ? o.columns : o.channels;
   if (norm) {
-    row_statistics<T>(tile, stride, o.channels, o.eps, rows);
+    row_statistics<T, Split>(tile, stride, o, part, rows);
     __syncthreads();
   }
   // One value of the tile as written: normed, activated (act of a value in
@@ -501,8 +562,8 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
   };
   if (o.planes) {
     // Consecutive threads take consecutive pixels of one channel plane.
-    for (int item = threadIdx.x; item < kTileRows * o.channels; item += blockDim.x) {
-      const int r = item % kTileRows, c = item / kTileRows;
+    for (int item = threadIdx.x; item < kTileRows * columns; item += blockDim.x) {
+      const int r = item % kTileRows, c = column0 + item / kTileRows;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       const int64_t image = pixel / o.plane, offset = pixel % o.plane;
@@ -511,7 +572,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
   } else if (o.vector && !norm) {
     // Rows of whole 16-byte units, activated in pairs.
     for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
-      const int r = at.row, c = at.column * 8;
+      const int r = at.row, c = column0 + at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       uint4 chunk = *reinterpret_cast<const uint4*>(tile + r * stride + c);
@@ -524,7 +585,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
     }
   } else if (o.vector) {
     for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
-      const int r = at.row, c = at.column * 8;
+      const int r = at.row, c = column0 + at.column * 8;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       // The norm's weight and bias 16 bytes at a time, as the row (o.vector
@@ -540,7 +601,7 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, Ro
     }
   } else {
     for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
-      const int r = at.row, c = at.column;
+      const int r = at.row, c = column0 + at.column;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       const T value = tile[r * stride + c];

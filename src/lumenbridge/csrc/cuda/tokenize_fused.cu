@@ -90,21 +90,29 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
 }
 
 // The GEMM and the epilogue, once a block's A tile is complete (and, for
-// tokenize_for_training, A saved on the way).
-template <typename T>
+// tokenize_for_training, A saved on the way): of all the output columns, or
+// with Split of the block's part of them (the tile's first part saves A).
+template <typename T, bool Split>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
-                             RowInfo& rows) {
+                             RowInfo& rows, int part) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
-  if (s.saved_rows != nullptr) save_depthwise_rows<T>(a_tile, padded_stride(s.k_padded), s, rows);
+  if (s.saved_rows != nullptr && (!Split || part == 0)) {
+    save_depthwise_rows<T>(a_tile, padded_stride(s.k_padded), s, rows);
+  }
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
+  const int column0 = Split ? part * s.output.columns : 0;
+  const int tile_begin = column0 / 8;
+  const int tile_end = ceil_div(Split ? column0 + s.output.columns : s.pw.out_channels, 8);
   if (s.pw.vector) {
-    gemm_tile<T, true>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride);
+    gemm_tile<T, true, Split>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
+                              tile_begin, tile_end);
   } else {
-    gemm_tile<T, false>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride);
+    gemm_tile<T, false, Split>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
+                               tile_begin, tile_end);
   }
   __syncthreads();
-  write_tile<T>(out_tile, out_stride, s.output, rows);
+  write_tile<T, Split>(out_tile, out_stride, s.output, part, rows);
 }
 
 // Copies `total` elements of a small tensor (weights, taps) into shared
@@ -318,11 +326,14 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
 // tiles whose shared memory leaves room for only one): 16 warps per SM either way.
-// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; the taps are
+// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; with
+// Split, the `parts` blocks blockIdx.x = parts * i + part (a cluster where a
+// token norm needs one) walk tiles i, + gridDim.x / parts, ..., each its
+// part of the columns. The taps are
 // loaded once per block, past the output tile's reach where shared memory
 // has room (ncu: loading them per tile was most of the 10% of stage 3's time
 // before its depthwise), else once per tile.
-template <typename T, int K, int Threads>
+template <typename T, int K, int Threads, bool Split>
 __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_kernel(const StageArgs<T> args) {
   static_assert(kTileRows % 16 == 0, "a block's rows split into the diagonal mma's 16");
   extern __shared__ __align__(16) unsigned char shared[];
@@ -333,8 +344,10 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   T* taps = reinterpret_cast<T*>(shared + args.taps_offset);
   const int Cin = s.pw.in_channels;
   const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
-  for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
-    if (tile == blockIdx.x || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
+  const unsigned parts = Split ? s.output.parts : 1;
+  const unsigned part = Split ? blockIdx.x % parts : 0, first_tile = Split ? blockIdx.x / parts : blockIdx.x;
+  for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
+    if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
       const int64_t pixel = tile * kTileRows + r < args.pixels ? tile * kTileRows + r : -1;
       rows.pixel[r] = pixel;
@@ -352,10 +365,12 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
       stage_depthwise<T, K, false>(args, rows, sources, taps, a_tile);
     }
     __syncthreads();
-    finish_block<T>(shared, args.layout, s, rows);
+    finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows overwrite the row table and its sources.
     __syncthreads();
   }
+  // The other parts of the cluster may still be reading this block's row sums.
+  if (Split && s.output.norm_weight != nullptr) cluster_barrier();
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -692,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
     }
     __syncthreads();
-    finish_block<T>(shared, args.layout, s, rows);
+    finish_block<T, false>(shared, args.layout, s, rows, 0);
     // The next tile's rows and image window overwrite the row table and the output tile.
     __syncthreads();
   }
@@ -771,20 +786,39 @@ int stage_threads(const StageLayout& layout) {
   return two_blocks_fit(stage_shared_bytes(layout)) ? kThreads : 2 * kThreads;
 }
 
-// Persistent blocks for one wave on the current device, `per_sm` on each SM
-// (two 8-warp blocks or one of 16: the launch bounds).
-int64_t one_wave(int per_sm) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return int64_t{sms} * per_sm;
+int device_attribute(cudaDeviceAttr attribute) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, c10::cuda::current_device()));
+  return value;
 }
 
+// Persistent blocks for one wave on the current device, `per_sm` on each SM
+// (two 8-warp blocks or one of 16: the launch bounds).
+int64_t one_wave(int per_sm) { return int64_t{device_attribute(cudaDevAttrMultiProcessorCount)} * per_sm; }
+
+// Launches `blocks` blocks, in thread-block clusters of `cluster` where that is above 1.
 template <typename Kernel, typename Args>
-void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args) {
+void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args, int cluster = 1) {
   if (blocks == 0) return;
   allow_shared_bytes(kernel, shared_bytes);
-  kernel<<<grid_x(blocks), threads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (cluster == 1) {
+    kernel<<<grid_x(blocks), threads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid_x(blocks));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
 // `saved`: where tokenize_for_training keeps the stage's depthwise rows (undefined for tokenize).
@@ -806,6 +840,31 @@ StageGemm<T> stage_gemm(const TokenizeStage& stage, const TileOutput<T>& output,
   return g;
 }
 
+// Splits each tile's output columns between `parts` blocks.
+template <typename T>
+void split_columns(TileOutput<T>& o, int parts) {
+  o.parts = parts;
+  o.columns = o.channels / parts;
+  o.units = Divisor::of(o.vector ? o.columns / 8 : o.columns);
+}
+
+// Parts per tile for a stage kernel launch: while a wave of `slots` blocks
+// would leave at least half its blocks idle (small batches), the columns
+// split in two again, up to kMaxColumnParts, in whole 16-byte units; each
+// part computes the tile's whole depthwise step, so the split pays where
+// blocks are idle, not where a wave is full. A token norm's row statistics
+// then sum over a cluster of the parts, which needs sm_90.
+constexpr int kMaxColumnParts = 4;
+
+template <typename T>
+int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
+  if (!o.vector) return 1;
+  if (o.norm_weight != nullptr && device_attribute(cudaDevAttrComputeCapabilityMajor) < 9) return 1;
+  int parts = 1;
+  while (parts < kMaxColumnParts && tiles * parts * 2 <= slots && (o.channels / 8) % (parts * 2) == 0) parts *= 2;
+  return parts;
+}
+
 // Where stage i writes: an intermediate NHWC tensor after the activation
 // (and, for tokenize_for_training, `saved_output` before it), or the tokens.
 template <typename T>
@@ -824,8 +883,8 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
   o.norm_bias = last && p.has_token_norm() ? p.token_norm_bias.data_ptr<T>() : nullptr;
   o.vector = stage.out_channels % 8 == 0 && aligned16(o.out) && aligned16(o.saved_output) &&
              aligned16(o.norm_weight) && aligned16(o.norm_bias);
-  o.units = Divisor::of(o.vector ? o.channels / 8 : o.channels);
   o.eps = static_cast<float>(p.eps);
+  split_columns(o, 1);
   return o;
 }
 
@@ -900,11 +959,23 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.tiles = ceil_div64(a.pixels, kTileRows);
   const size_t shared_bytes = a.layout.total;
   const int threads = stage_threads(layout);
-  const int64_t blocks = std::min(a.tiles, one_wave(threads == kThreads ? 2 : 1));
-  if (threads == kThreads) {
-    launch(fused_stage_kernel<T, K, kThreads>, blocks, kThreads, shared_bytes, a);
+  const int64_t slots = one_wave(threads == kThreads ? 2 : 1);
+  const int parts = column_parts(a.tiles, slots, a.gemm.output);
+  split_columns(a.gemm.output, parts);
+  // More than one part means a wave holds every tile's parts.
+  const int64_t blocks = parts > 1 ? a.tiles * parts : std::min(a.tiles, slots);
+  const int cluster = a.gemm.output.norm_weight != nullptr ? parts : 1;
+  const auto run = [&](auto split) {
+    if (threads == kThreads) {
+      launch(fused_stage_kernel<T, K, kThreads, split.value>, blocks, kThreads, shared_bytes, a, cluster);
+    } else {
+      launch(fused_stage_kernel<T, K, 2 * kThreads, split.value>, blocks, 2 * kThreads, shared_bytes, a, cluster);
+    }
+  };
+  if (parts > 1) {
+    run(std::true_type{});
   } else {
-    launch(fused_stage_kernel<T, K, 2 * kThreads>, blocks, 2 * kThreads, shared_bytes, a);
+    run(std::false_type{});
   }
 }
 

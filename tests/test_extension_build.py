@@ -227,10 +227,11 @@ def test_changed_sources_or_compiler_build_side_by_side_with_a_notice_each_time(
         original, _ = extension.compile_library(tiny_library(source_dir))
         tiny_source(source_dir, answer=7)
         changed, compiled_changed = extension.compile_library(tiny_library(source_dir))
-        monkeypatch.setenv("CXX", slow_compiler(tmp_path))
-        other_compiler, compiled_other = extension.compile_library(tiny_library(source_dir))
+        # The environment's own CXX (if any) comes back afterwards, so the last build uses the first's compiler.
+        with monkeypatch.context() as patch:
+            patch.setenv("CXX", slow_compiler(tmp_path))
+            other_compiler, compiled_other = extension.compile_library(tiny_library(source_dir))
         tiny_source(source_dir, answer=42)
-        monkeypatch.delenv("CXX")
         back, compiled_back = extension.compile_library(tiny_library(source_dir))
 
     assert compiled_changed and compiled_other and not compiled_back

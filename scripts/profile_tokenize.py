@@ -5,10 +5,12 @@ to every parameter, float input, as bench_fused.py times it: where the
 backward spends its time). --train first times the step on its own (the
 "timing loop" of benchmarks/NOTES.md: best and median of 5 runs of 20 steps,
 CUDA events, and the peak memory), then lists one step's kernels in launch
-order, and last times steps one at a time, synchronized, as bench_fused.py
+order, then times steps one at a time, synchronized, as bench_fused.py
 does, with where the GPU waited for the host within one such step (the gaps
-between its kernels, largest first). A development tool: the same-run
-comparison with PyTorch is bench_fused.py's.
+between its kernels, largest first). Both modes end with the host's side:
+its timeline up to the op's return (profiled) and the plain host times of
+the op's arguments, the op and the model's call. A development tool: the
+same-run comparison with PyTorch is bench_fused.py's.
 Usage: python scripts/profile_tokenize.py [--batch B] [--train] [--no-profiler]"""
 
 import argparse

@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 
+#include "cast_together.h"
 #include "gateway.h"
 #include "kernel_sizes.h"
 #include "op_signatures.h"
@@ -450,8 +451,9 @@ TokenizeBackwardResult tokenize_backward_entry(
 
 // Autocast: tokenize (and tokenize_for_training, whose result type is
 // Result) runs in the autocast dtype, as PyTorch's convolutions do (float64
-// tensors and uint8 images are left as they are). The casts are ordinary
-// differentiable ops, so float32 parameters get float32 gradients.
+// tensors and uint8 images are left as they are). The casts are
+// differentiable, so float32 parameters get float32 gradients; the
+// parameters' are made together (autocast_together).
 template <c10::DeviceType device, const char* name, typename Result>
 Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at::TensorList dw_biases,
                          at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides,
@@ -461,11 +463,26 @@ Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at
                          at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
-  const auto cast = [dtype](const auto& t) { return at::autocast::cached_cast(dtype, t, device); };
+  std::vector<at::Tensor> parameters;
+  for (at::TensorList list : {dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases}) {
+    parameters.insert(parameters.end(), list.begin(), list.end());
+  }
+  parameters.push_back(token_norm_weight.value_or(at::Tensor()));
+  parameters.push_back(token_norm_bias.value_or(at::Tensor()));
+  const std::vector<at::Tensor> cast = autocast_together(parameters, dtype, device);
+  auto next = cast.begin();
+  const auto take = [&next](size_t count) {
+    std::vector<at::Tensor> part(next, next + count);
+    next += count;
+    return part;
+  };
+  const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  const size_t S = dw_weights.size(), norms = norm_weights.size();
+  const std::vector<at::Tensor> dw_w = take(S), dw_b = take(S), pw_w = take(S), pw_b = take(S);
+  const std::vector<at::Tensor> norm_w = take(norms), norm_b = take(norm_biases.size());
   return typed_op<TokenizeSignature<Result>, name>().call(
-      cast(images), cast(dw_weights), cast(dw_biases), cast(pw_weights), cast(pw_biases), strides, activation,
-      stage_norm, cast(norm_weights), cast(norm_biases), cast(token_norm_weight), cast(token_norm_bias), eps, mean,
-      std, padded_size, output_fmt);
+      at::autocast::cached_cast(dtype, images, device), dw_w, dw_b, pw_w, pw_b, strides, activation, stage_norm,
+      norm_w, norm_b, optional(next[0]), optional(next[1]), eps, mean, std, padded_size, output_fmt);
 }
 
 // Which CUDA path tokenize takes for a configuration: "fused", or "composed: <why>".

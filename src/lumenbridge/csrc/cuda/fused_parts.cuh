@@ -8,10 +8,10 @@
 // nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
 // per 32 input channels. That load holds 8 consecutive input channels, so A's
 // columns are stored permuted to match (store_a8); no packed copy of the
-// weights exists anywhere. Where a launch has fewer tiles than its wave has
-// blocks (small batches), a tile's output columns are split between
-// `parts` blocks (TileOutput::parts): each computes the whole A and its
-// share of the GEMM and the epilogue.
+// weights exists anywhere. Where a launch's tiles would leave at least half
+// a wave of blocks idle (small batches), a tile's output columns are split
+// between `parts` blocks (TileOutput::parts): each computes the whole A and
+// its share of the GEMM and the epilogue.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -439,6 +439,16 @@ struct TileOutput {
   const T* norm_weight;
   const T* norm_bias;
   float eps;
+
+  // The columns a block writes: part `part`'s with Split, else all of them.
+  template <bool Split>
+  __device__ int first_column(int part) const {
+    return Split ? part * columns : 0;
+  }
+  template <bool Split>
+  __device__ int width() const {
+    return Split ? columns : channels;
+  }
 };
 
 // Shared-memory bookkeeping of one block: each row's flattened output pixel
@@ -498,7 +508,7 @@ __device__ __forceinline__ float lane_row_sum(const T* row, int c0, int c1, int 
 
 // Two passes over each row from shared memory, as PyTorch's LayerNorm does in
 // float from the rounded pointwise output; with Split between a cluster's
-// parts, each pass summing every part's share.
+// parts, each pass summing every part's share. Returns behind a barrier.
 template <typename T, bool Split>
 __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -513,9 +523,10 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
         rows.rstd[r] = rsqrtf(variance + o.eps);
       }
     }
+    __syncthreads();
     return;
   }
-  const int c0 = part * o.columns, c1 = c0 + o.columns;
+  const int c0 = o.template first_column<Split>(part), c1 = c0 + o.template width<Split>();
 #pragma unroll 1
   for (int pass = 0; pass < 2; ++pass) {
     for (int r = warp; r < kTileRows; r += warps) {
@@ -544,11 +555,8 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
 template <typename T, bool Split>
 __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
   const bool norm = o.norm_weight != nullptr;
-  const int column0 = Split ? part * o.columns : 0, columns = Split ? o.columns : o.channels;
-  if (norm) {
-    row_statistics<T, Split>(tile, stride, o, part, rows);
-    __syncthreads();
-  }
+  const int column0 = o.template first_column<Split>(part), columns = o.template width<Split>();
+  if (norm) row_statistics<T, Split>(tile, stride, o, part, rows);
   // One value of the tile as written: normed, activated (act of a value in
   // the low half of a pair; the high half's result is unused) or as it is.
   auto transform = [&](T value, int r, int c) {

@@ -101,7 +101,7 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
     save_depthwise_rows<T>(a_tile, padded_stride(s.k_padded), s, rows);
   }
   const int out_stride = padded_stride(round_up(s.pw.out_channels, 8));
-  const int column0 = Split ? part * s.output.columns : 0;
+  const int column0 = s.output.template first_column<Split>(part);
   const int tile_begin = column0 / 8;
   const int tile_end = ceil_div(Split ? column0 + s.output.columns : s.pw.out_channels, 8);
   if (s.pw.vector) {
@@ -786,15 +786,34 @@ int stage_threads(const StageLayout& layout) {
   return two_blocks_fit(stage_shared_bytes(layout)) ? kThreads : 2 * kThreads;
 }
 
-int device_attribute(cudaDeviceAttr attribute) {
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, c10::cuda::current_device()));
-  return value;
-}
-
 // Persistent blocks for one wave on the current device, `per_sm` on each SM
 // (two 8-warp blocks or one of 16: the launch bounds).
-int64_t one_wave(int per_sm) { return int64_t{device_attribute(cudaDevAttrMultiProcessorCount)} * per_sm; }
+int64_t one_wave(int per_sm) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return int64_t{sms} * per_sm;
+}
+
+// A launch of `blocks` blocks in thread-block clusters of `cluster`, on the current stream.
+struct ClusterLaunch {
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config;
+
+  ClusterLaunch(int64_t blocks, int threads, size_t shared_bytes, int cluster) : attribute{}, config{} {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.gridDim = dim3(grid_x(blocks));
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = at::cuda::getCurrentCUDAStream();
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attribute
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
 
 // Launches `blocks` blocks, in thread-block clusters of `cluster` where that is above 1.
 template <typename Kernel, typename Args>
@@ -806,19 +825,8 @@ void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, con
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid_x(blocks));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+  const ClusterLaunch clustered(blocks, threads, shared_bytes, cluster);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&clustered.config, kernel, args));
 }
 
 // `saved`: where tokenize_for_training keeps the stage's depthwise rows (undefined for tokenize).
@@ -852,17 +860,32 @@ void split_columns(TileOutput<T>& o, int parts) {
 // would leave at least half its blocks idle (small batches), the columns
 // split in two again, up to kMaxColumnParts, in whole 16-byte units; each
 // part computes the tile's whole depthwise step, so the split pays where
-// blocks are idle, not where a wave is full. A token norm's row statistics
-// then sum over a cluster of the parts, which needs sm_90.
+// blocks are idle, not where a wave is full.
 constexpr int kMaxColumnParts = 4;
 
 template <typename T>
 int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
   if (!o.vector) return 1;
-  if (o.norm_weight != nullptr && device_attribute(cudaDevAttrComputeCapabilityMajor) < 9) return 1;
   int parts = 1;
   while (parts < kMaxColumnParts && tiles * parts * 2 <= slots && (o.channels / 8) % (parts * 2) == 0) parts *= 2;
   return parts;
+}
+
+// Whether a token norm's parts can run as clusters of `parts` blocks: the
+// kernel was compiled for sm_90 or later (PTX of an older target, compiled
+// on a newer GPU at load, has no cluster code), and all `clusters` fit the
+// GPU at once (a cluster's blocks share one GPC, so a wave's worth of
+// blocks in clusters may not).
+template <typename Kernel>
+bool clusters_fit(Kernel kernel, int threads, size_t shared_bytes, int parts, int64_t clusters) {
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  if (attributes.ptxVersion < 90) return false;
+  allow_shared_bytes(kernel, shared_bytes);
+  const ClusterLaunch clustered(clusters * parts, threads, shared_bytes, parts);
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
+  return resident >= clusters;
 }
 
 // Where stage i writes: an intermediate NHWC tensor after the activation
@@ -959,23 +982,23 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.tiles = ceil_div64(a.pixels, kTileRows);
   const size_t shared_bytes = a.layout.total;
   const int threads = stage_threads(layout);
+  const auto kernel = [threads](auto split) {
+    return threads == kThreads ? fused_stage_kernel<T, K, kThreads, split.value>
+                               : fused_stage_kernel<T, K, 2 * kThreads, split.value>;
+  };
   const int64_t slots = one_wave(threads == kThreads ? 2 : 1);
-  const int parts = column_parts(a.tiles, slots, a.gemm.output);
+  int parts = column_parts(a.tiles, slots, a.gemm.output);
+  // A token norm's parts are a cluster (row statistics over the whole row).
+  const bool clustered = a.gemm.output.norm_weight != nullptr;
+  while (clustered && parts > 1 && !clusters_fit(kernel(std::true_type{}), threads, shared_bytes, parts, a.tiles)) {
+    parts /= 2;
+  }
   split_columns(a.gemm.output, parts);
   // More than one part means a wave holds every tile's parts.
-  const int64_t blocks = parts > 1 ? a.tiles * parts : std::min(a.tiles, slots);
-  const int cluster = a.gemm.output.norm_weight != nullptr ? parts : 1;
-  const auto run = [&](auto split) {
-    if (threads == kThreads) {
-      launch(fused_stage_kernel<T, K, kThreads, split.value>, blocks, kThreads, shared_bytes, a, cluster);
-    } else {
-      launch(fused_stage_kernel<T, K, 2 * kThreads, split.value>, blocks, 2 * kThreads, shared_bytes, a, cluster);
-    }
-  };
   if (parts > 1) {
-    run(std::true_type{});
+    launch(kernel(std::true_type{}), a.tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
   } else {
-    run(std::false_type{});
+    launch(kernel(std::false_type{}), std::min(a.tiles, slots), threads, shared_bytes, a);
   }
 }
 

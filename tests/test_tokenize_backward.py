@@ -512,6 +512,30 @@ def test_autocast_runs_the_op_in_the_autocast_dtype_with_float32_gradients(devic
         assert torch.equal(p.grad, q.grad.float())
 
 
+@pytest.mark.parametrize("device", device_params())
+def test_autocast_casts_the_float32_parameters_together_and_leaves_other_dtypes_to_autocast(device, native_ops):
+    """The float32 parameters reach the op through one cast node (one
+    conversion each way); a parameter already in another dtype is cast on its
+    own, and every parameter gets its gradient in its own dtype, equal to the
+    cast model's."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    model.stages[1].pw.to(torch.float16)  # a mix: one stage's pointwise in float16
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        tokens = model(images)
+    expected = low(images)
+    assert torch.equal(tokens, expected)
+    casts = {edge[0].name() for edge in tokens.grad_fn.next_functions if edge[0] is not None}
+    assert sum("CastTogether" in name for name in casts) == 1, casts
+    target = torch.randn_like(expected)
+    (tokens * target).sum().backward()
+    (expected * target).sum().backward()
+    for p, q in zip(model.parameters(), low.parameters(), strict=True):
+        assert p.grad.dtype == p.dtype
+        assert torch.equal(p.grad, q.grad.to(p.dtype))
+
+
 def scaled_float16_step(model, images, target, device):
     """One GradScaler step under float16 autocast; the unscaled gradients, and whether the step was taken."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -563,35 +563,28 @@ __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool*
       y[j][0] = activate_pair<T>(acc[j][0], acc[j][1], a.act1);
       y[j][1] = activate_pair<T>(acc[j][2], acc[j][3], a.act1);
     }
-    // Most items lie wholly inside the stage-1 extent and the window: those
-    // store without a select or a bounds test per value (a warp-uniform
-    // branch), as two stmatrix: matrix i of the first holds channels
-    // n0 + 8 (i / 2) .. + 7 of rows 16 at.row + 8 (i % 2) .. + 7, the second
-    // the next 16 channels.
-    if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
+    // Most items lie wholly inside the stage-1 extent and the window: from
+    // sm_90 those store without a select or a bounds test per value (a
+    // warp-uniform branch), as two stmatrix: matrix i of the first holds
+    // channels n0 + 8 (i / 2) .. + 7 of rows 16 at.row + 8 (i % 2) .. + 7,
+    // the second the next 16 channels. The rest, and every item before
+    // sm_90, store a pair at a time.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (__all_sync(0xffffffffu, keep0 && keep1)) {  // inside implies within the window
       static_assert(kSteps == 4, "two stmatrix of four matrices");
       const int i = lane / 8;
       T* row = s1 + (at.row * 16 + lane % 8 + 8 * (i % 2)) * a.s1_stride + n0 + 8 * (i / 2);
       stmatrix_x4(row, {y[0][0], y[0][1], y[1][0], y[1][1]});
       stmatrix_x4(row + 16, {y[2][0], y[2][1], y[3][0], y[3][1]});
-#else  // no stmatrix before sm_90: a 4-byte store a pair
-      T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
-      T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        *reinterpret_cast<uint32_t*>(row0 + j * 8) = y[j][0];
-        *reinterpret_cast<uint32_t*>(row1 + j * 8) = y[j][1];
-      }
+      continue;
+    }
 #endif
-    } else {
-      T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
-      T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
+    T* row0 = s1 + q0 * a.s1_stride + n0 + quad * 2;
+    T* row1 = s1 + q1 * a.s1_stride + n0 + quad * 2;
 #pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-        if (q0 < win1) *reinterpret_cast<uint32_t*>(row0 + j * 8) = keep0 ? y[j][0] : 0u;
-        if (q1 < win1) *reinterpret_cast<uint32_t*>(row1 + j * 8) = keep1 ? y[j][1] : 0u;
-      }
+    for (int j = 0; j < kSteps; ++j) {
+      if (q0 < win1) *reinterpret_cast<uint32_t*>(row0 + j * 8) = keep0 ? y[j][0] : 0u;
+      if (q1 < win1) *reinterpret_cast<uint32_t*>(row1 + j * 8) = keep1 ? y[j][1] : 0u;
     }
   }
 }

@@ -10,7 +10,8 @@
 // stage (SavedForward; written by the fused kernels as they go on CUDA), which
 // autograd keeps between forward and backward: then the recompute is the
 // GEMMs of the last stage and, where the backward reads it, the first. With
-// tokenize's own autograd (nothing saved) it recomputes all. Then, from the last stage down, it takes the stage's gradients:
+// tokenize's own autograd (nothing saved) it recomputes all. Then, from the
+// last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
 //                                                               CUDA one kernel for

@@ -32,7 +32,8 @@ struct NchwForwardTile {
   static constexpr int kV = kUnit / S;          // output columns per thread
   static constexpr int kOutW = SIZE == PlaneSize::Wide ? 64 : SIZE == PlaneSize::Medium ? 32 : 16;
   static constexpr int kOutH = SIZE == PlaneSize::Wide ? (S == 1 ? 64 : kUnit == 4 ? 16 : 32) : kOutW;
-  static constexpr int kRows = SIZE == PlaneSize::Narrow ? 1 : (S == 1 && kUnit == 4 && SIZE == PlaneSize::Wide ? 4 : 2);
+  static constexpr int kRows =
+      SIZE == PlaneSize::Narrow ? 1 : (S == 1 && kUnit == 4 && SIZE == PlaneSize::Wide ? 4 : 2);
   static constexpr int kTX = kOutW / kV, kTY = kOutH / kRows, kThreads = kTX * kTY;
   static constexpr int kPad = K / 2, kStride = S;
   static constexpr int kInRows = (kOutH - 1) * S + K;

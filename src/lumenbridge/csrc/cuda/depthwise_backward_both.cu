@@ -91,7 +91,8 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr bool kCovered = kBlockBytes <= static_cast<size_t>(kMaxSharedBytes) && K <= 5;
   // Two blocks an SM (128 registers) in half types at K = 3; fp32's values
   // and K = 5's 26 sums of four channels need more.
-  static constexpr int kMinBlocks = K == 3 && sizeof(T) == 2 ? 2 : 1;
+  // (A function: a constant that K = 7's uninstantiated kernel never reads draws a warning.)
+  static constexpr int min_blocks() { return K == 3 && sizeof(T) == 2 ? 2 : 1; }
 };
 
 // x = act(pre) at one pixel, this thread's L channels, as the forward's
@@ -248,7 +249,7 @@ __device__ __forceinline__ void store_fold_partials(const float (&weight_sums)[2
 // into `fold`, instead of the gradient of pre into grad_input.
 template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS, bool FOLD>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
-                                  BothGradientsTile<T, K, FROM_ROWS>::kMinBlocks)
+                                  BothGradientsTile<T, K, FROM_ROWS>::min_blocks())
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
                                            PreSource<T> source, T* grad_input,  // may be source.values
                                            float* __restrict__ partials, FoldTarget fold,

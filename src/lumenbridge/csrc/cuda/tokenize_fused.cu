@@ -20,6 +20,10 @@
 // otherwise recompute) leaves the SM.
 #include <c10/cuda/CUDAGuard.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "depthwise_forward.cuh"
 #include "fused_parts.cuh"
 #include "images.cuh"
@@ -864,21 +868,32 @@ int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
   return parts;
 }
 
-// Whether a token norm's parts can run as clusters of `parts` blocks: the
-// kernel was compiled for sm_90 or later (PTX of an older target, compiled
-// on a newer GPU at load, has no cluster code), and all `clusters` fit the
-// GPU at once (a cluster's blocks share one GPC, so a wave's worth of
-// blocks in clusters may not).
+// Clusters of `parts` blocks of `kernel` that the current device holds at
+// once: 0 where the kernel was compiled for a target before sm_90 (PTX of
+// an older target, compiled on a newer GPU at load, has no cluster code);
+// else cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
+// so a wave's worth of blocks in clusters may not all fit). Asked of the
+// runtime once per kernel, device and shape: small batches, which split,
+// spend most of a call's time on the host.
 template <typename Kernel>
-bool clusters_fit(Kernel kernel, int threads, size_t shared_bytes, int parts, int64_t clusters) {
+int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int parts) {
+  using Key = std::tuple<const void*, int, int, size_t, int>;
+  static std::mutex mutex;
+  static std::map<Key, int64_t> answers;
+  const Key key{reinterpret_cast<const void*>(kernel), c10::cuda::current_device(), threads, shared_bytes, parts};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto known = answers.find(key);
+  if (known != answers.end()) return known->second;
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  if (attributes.ptxVersion < 90) return false;
-  allow_shared_bytes(kernel, shared_bytes);
-  const ClusterLaunch clustered(clusters * parts, threads, shared_bytes, parts);
   int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
-  return resident >= clusters;
+  if (attributes.ptxVersion >= 90) {
+    allow_shared_bytes(kernel, shared_bytes);
+    const ClusterLaunch clustered(parts, threads, shared_bytes, parts);
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
+  }
+  answers.emplace(key, resident);
+  return resident;
 }
 
 // Where stage i writes: an intermediate NHWC tensor after the activation
@@ -981,15 +996,17 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   };
   const int64_t slots = one_wave(threads == kThreads ? 2 : 1);
   int parts = column_parts(a.tiles, slots, a.gemm.output);
-  // A token norm's parts are a cluster (row statistics over the whole row).
+  // A token norm's parts are a cluster (row statistics over the whole row),
+  // one a tile, all resident at once.
   const bool clustered = a.gemm.output.norm_weight != nullptr;
-  while (clustered && parts > 1 && !clusters_fit(kernel(std::true_type{}), threads, shared_bytes, parts, a.tiles)) {
+  const auto split_kernel = kernel(std::true_type{});
+  while (clustered && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < a.tiles) {
     parts /= 2;
   }
   split_columns(a.gemm.output, parts);
   // More than one part means a wave holds every tile's parts.
   if (parts > 1) {
-    launch(kernel(std::true_type{}), a.tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
+    launch(split_kernel, a.tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
   } else {
     launch(kernel(std::false_type{}), std::min(a.tiles, slots), threads, shared_bytes, a);
   }

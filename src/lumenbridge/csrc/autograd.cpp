@@ -25,10 +25,6 @@ using torch::autograd::variable_list;
 
 void append(variable_list& to, at::TensorList tensors) { to.insert(to.end(), tensors.begin(), tensors.end()); }
 
-c10::optional<at::Tensor> optional(const at::Tensor& t) {
-  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
-}
-
 // The gradients numbered as autograd numbers the op's arguments: one for each
 // tensor of a list and one for every other argument (undefined for the
 // options and wherever tokenize_backward computed none).

@@ -476,7 +476,6 @@ Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at
     next += count;
     return part;
   };
-  const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   const size_t S = dw_weights.size(), norms = norm_weights.size();
   const std::vector<at::Tensor> dw_w = take(S), dw_b = take(S), pw_w = take(S), pw_b = take(S);
   const std::vector<at::Tensor> norm_w = take(norms), norm_b = take(norm_biases.size());

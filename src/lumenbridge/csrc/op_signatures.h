@@ -41,6 +41,11 @@ using TokenizeBackwardSignature = TokenizeBackwardResult(
     c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
     std::array<bool, 2> output_mask);
 
+// A tensor as an optional argument of the ops: absent where undefined.
+inline c10::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
 // The op `name` with its signature, looked up once per caller.
 template <typename Signature, const char* name>
 const c10::TypedOperatorHandle<Signature>& typed_op() {

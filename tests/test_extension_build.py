@@ -308,7 +308,9 @@ def test_a_killed_first_build_without_ninja_on_path_recovers_and_is_then_cached(
     in, with no ninja on PATH; then `lumenbridge info` builds and reports the
     native backend, and a second `info` loads the build without compiling."""
     cache = tmp_path / "cache"
-    env = environment(cache, PATH=path_without_ninja(tmp_path))
+    # No GPU visible, so that on a CUDA machine too the build is the CPU one of
+    # seconds, not the CUDA kernels' minutes.
+    env = environment(cache, PATH=path_without_ninja(tmp_path), CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "lumenbridge"]
     first = start_job([*command, "build"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: any(cache.glob(f"*{extension.STAGING_SUFFIX}*/build.ninja")), first)

@@ -536,6 +536,35 @@ def test_autocast_casts_the_float32_parameters_together_and_leaves_other_dtypes_
         assert torch.equal(p.grad, q.grad.to(p.dtype))
 
 
+class LumenBridgeArguments(TorchDispatchMode):
+    """Records every tensor handed to a torch.ops.lumenbridge op under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "lumenbridge":
+            self.tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_autocast_hands_the_op_16_byte_aligned_parameters(device, native_ops):
+    """The parameters cast together are views of one buffer; each starts on a
+    16-byte boundary (the kernels' vector paths need it), although the first
+    stage's depthwise weight has an odd element count (3 x 3 x 3)."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    assert model.stages[0].dw.weight.numel() % 2 == 1
+    with LumenBridgeArguments() as seen, torch.autocast(device, dtype=torch.bfloat16):
+        model(images).sum().backward()
+    cast = [t for t in seen.tensors if t.dtype == torch.bfloat16 and t.dim() > 0]
+    assert len(cast) > len(list(model.parameters()))
+    assert [t.shape for t in cast if t.data_ptr() % 16] == []
+    assert all(p.grad.data_ptr() % 16 == 0 for p in model.parameters())
+
+
 def scaled_float16_step(model, images, target, device):
     """One GradScaler step under float16 autocast; the unscaled gradients, and whether the step was taken."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -12,16 +12,31 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // The tensors in `dtype`: one flat copy of them all (one kernel), converted
-// (one more), and views of it shaped as each tensor.
+// (one more), and views of it shaped as each tensor. Each view starts on a
+// multiple of kAlign elements, since the kernels take their vector paths only
+// for 16-byte-aligned tensors (views at odd offsets made a training step 20%
+// slower).
 variable_list converted(at::TensorList tensors, at::ScalarType dtype) {
+  constexpr int64_t kAlign = 16;  // elements: at least 16 bytes in every dtype
   std::vector<at::Tensor> flat;
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> offsets;
+  int64_t offset = 0;
+  at::Tensor padding;
   for (const at::Tensor& t : tensors) {
+    offsets.push_back(offset);
     flat.push_back(t.reshape(-1));
-    sizes.push_back(t.numel());
+    const int64_t gap = (kAlign - t.numel() % kAlign) % kAlign;
+    if (gap > 0) {
+      if (!padding.defined()) padding = at::zeros({kAlign}, t.options());
+      flat.push_back(padding.narrow(0, 0, gap));
+    }
+    offset += t.numel() + gap;
   }
-  std::vector<at::Tensor> parts = at::cat(flat).to(dtype).split_with_sizes(sizes);
-  for (size_t k = 0; k < parts.size(); ++k) parts[k] = parts[k].view(tensors[k].sizes());
+  const at::Tensor all = at::cat(flat).to(dtype);
+  variable_list parts;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    parts.push_back(all.narrow(0, offsets[k], tensors[k].numel()).view(tensors[k].sizes()));
+  }
   return parts;
 }
 

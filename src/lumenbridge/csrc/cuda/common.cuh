@@ -8,7 +8,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/types.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "../gateway.h"
 #include "../kernel_sizes.h"
@@ -111,11 +114,20 @@ inline size_t max_shared_bytes_per_block() {
 }
 
 // Static plus dynamic shared memory past 48 KB must be opted into per
-// kernel; setting the dynamic limit to exactly what the launch uses is always valid.
+// kernel and device; setting the dynamic limit to exactly what the launch
+// uses is always valid. The runtime call costs microseconds of host time,
+// which a small batch waits for, so it is made only when the kernel's limit
+// on this device changes (once, for a kernel whose launches all use the same).
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> limits;
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& limit = limits[{reinterpret_cast<const void*>(kernel), c10::cuda::current_device()}];
+  if (limit == bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
+  limit = bytes;
 }
 
 // Launch geometry of the kernels that are not persistent (the persistent ones

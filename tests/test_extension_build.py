@@ -23,6 +23,7 @@ import pytest
 
 from lumenbridge import extension
 from lumenbridge.config import KERNEL_SIZES
+from lumenbridge.dispatch import visible_device_types
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
@@ -289,7 +290,9 @@ def test_both_compilers_get_the_kernel_sizes_from_config():
 # --- item 13: no compiler, one line -------------------------------------------------------
 
 
-def test_without_a_compiler_the_fallback_is_one_line(tmp_path):
+def test_without_a_compiler_the_fallback_is_one_line_per_device(tmp_path):
+    """`info` chooses a backend for each visible device type, and each falls
+    back to the reference with one line (two on a CUDA machine: cpu, cuda)."""
     run = subprocess.run(
         [sys.executable, "-m", "lumenbridge", "info"],
         env=environment(tmp_path / "cache", CXX="no-such-compiler"),
@@ -299,11 +302,13 @@ def test_without_a_compiler_the_fallback_is_one_line(tmp_path):
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    assert "Traceback" not in run.stderr
-    # LumenBridge's own line; with CUDA, torch may add its own warning about the compiler.
-    (line,) = [line for line in run.stderr.splitlines() if line.startswith("LumenBridge:")]
-    assert line.startswith("LumenBridge: using the PyTorch reference on cpu: the native extension is not built")
-    assert "no C++ compiler found (looked for 'no-such-compiler'" in line
+    lines = run.stderr.splitlines()
+    assert len(lines) == len(visible_device_types()), run.stderr
+    for line, device in zip(lines, visible_device_types(), strict=True):
+        assert line.startswith(
+            f"LumenBridge: using the PyTorch reference on {device}: the native extension is not built"
+        )
+        assert "no C++ compiler found (looked for 'no-such-compiler'" in line
     assert "native     unavailable" in run.stdout
 
 

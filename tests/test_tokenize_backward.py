@@ -589,10 +589,13 @@ def scaled_float16_step(model, images, target, device):
 @pytest.mark.parametrize("device", device_params())
 def test_grad_scaler_with_float16_autocast(device, native_ops):
     """The op's float16 gradients, unscaled, are within 3x the error of
-    PyTorch's own model under the same autocast and GradScaler."""
-    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, device=device)
+    PyTorch's own model under the same autocast and GradScaler. Its own
+    generator, so that the cases do not depend on the tests run before it."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator).to(device)
     exact = VisualTokenizer(NARROW, seed=0).double()
-    target = torch.randn(exact.forward_layers(images.cpu(), "reference").shape, dtype=torch.float64)
+    target_shape = exact.forward_layers(images.cpu(), "reference").shape
+    target = torch.randn(target_shape, dtype=torch.float64, generator=generator)
     (exact.forward_layers(images.cpu(), "reference") * target).sum().backward()
     target = target.to(device, torch.float32)
     results = {

@@ -297,10 +297,11 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _config_lists(cfg) -> tuple[list[int], list[float], list[float]]:
+def _config_lists(cfg) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
     """The op's strides, pixel mean and pixel std for a (frozen) config, made
-    once: a forward would otherwise rebuild them each call. The op only reads them."""
-    return list(cfg.strides), list(cfg.pixel_mean), list(cfg.pixel_std)
+    once: a forward would otherwise rebuild them each call. Tuples, since every
+    call for the config shares them."""
+    return tuple(cfg.strides), cfg.pixel_mean, cfg.pixel_std
 
 
 def tokenize(images: torch.Tensor, model) -> torch.Tensor:

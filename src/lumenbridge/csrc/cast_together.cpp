@@ -14,8 +14,9 @@ using torch::autograd::variable_list;
 // The tensors in `dtype`: one flat copy of them all (one kernel), converted
 // (one more), and views of it shaped as each tensor. Each view starts on a
 // multiple of kAlign elements, since the kernels take their vector paths only
-// for 16-byte-aligned tensors (views at odd offsets made a training step 20%
-// slower).
+// for 16-byte-aligned tensors (benchmarks/NOTES.md, twenty-second session).
+// The padding is zeros, not left unset, so that the copy reads no
+// uninitialized memory (compute-sanitizer's initcheck).
 variable_list converted(at::TensorList tensors, at::ScalarType dtype) {
   constexpr int64_t kAlign = 16;  // elements: at least 16 bytes in every dtype
   std::vector<at::Tensor> flat;

@@ -114,17 +114,18 @@ inline size_t max_shared_bytes_per_block() {
 }
 
 // Static plus dynamic shared memory past 48 KB must be opted into per
-// kernel and device; setting the dynamic limit to exactly what the launch
-// uses is always valid. The runtime call costs microseconds of host time,
-// which a small batch waits for, so it is made only when the kernel's limit
-// on this device changes (once, for a kernel whose launches all use the same).
+// kernel and device. The limit is an upper bound, so it is only ever raised:
+// the runtime call costs microseconds of host time, which a small batch
+// waits for, and is made once per kernel, device and new largest size (one
+// kernel serves stages of different widths), and a launch on another thread
+// can never find the limit lowered under it.
 template <typename Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, size_t> limits;
   const std::lock_guard<std::mutex> lock(mutex);
   size_t& limit = limits[{reinterpret_cast<const void*>(kernel), c10::cuda::current_device()}];
-  if (limit == bytes) return;
+  if (bytes <= limit) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
   limit = bytes;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -100,17 +101,19 @@ class TokenizerConfig:
         if not isinstance(self.token_norm, bool):
             raise TypeError(f"TokenizerConfig: token_norm must be true or false, got {self.token_norm!r}")
 
-    @property
+    # The derived values a forward reads are computed once per (frozen) config:
+    # each call's host time counts at small batches.
+    @functools.cached_property
     def pixel_mean(self) -> tuple[float, ...]:
         """mean on the 0..255 scale of uint8 pixels."""
         return tuple(255.0 * m for m in self.mean)
 
-    @property
+    @functools.cached_property
     def pixel_std(self) -> tuple[float, ...]:
         """std on the 0..255 scale of uint8 pixels."""
         return tuple(255.0 * s for s in self.std)
 
-    @property
+    @functools.cached_property
     def total_stride(self) -> int:
         """How many input pixels one token spans per side."""
         return math.prod(self.strides)

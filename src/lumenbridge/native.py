@@ -259,10 +259,9 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
     """The arguments of torch.ops.lumenbridge.tokenize for `model` (a
     VisualTokenizer) on `images`: its parameters in their nn layouts."""
     cfg = model.config
-    # A traced forward takes the plain lookups: torch.compile pays them once,
-    # and would warn about tracing through _class_defines's and _config_lists's caches.
-    compiling = torch.compiler.is_compiling()
-    parameter = getattr if compiling else _parameter
+    # A traced forward takes the normal lookup: torch.compile pays it once,
+    # and would warn about tracing through _class_defines's cache.
+    parameter = getattr if torch.compiler.is_compiling() else _parameter
     dw_weights, dw_biases, pw_weights, pw_biases = [], [], [], []
     for stage in model._modules["stages"]._modules.values():
         dw, pw = stage._modules["dw"], stage._modules["pw"]
@@ -274,14 +273,13 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
         images = images.to(dw_weights[0].dtype)
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
     token_norm = model._modules["token_norm"] if cfg.token_norm else None
-    strides, pixel_mean, pixel_std = (_config_lists.__wrapped__ if compiling else _config_lists)(cfg)
     return (
         images.contiguous(memory_format=memory_format_of(images)),
         dw_weights,
         dw_biases,
         pw_weights,
         pw_biases,
-        strides,
+        cfg.strides,
         cfg.activation,
         stage_norm,
         norm_weights,
@@ -289,19 +287,11 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
         None if token_norm is None else parameter(token_norm, "weight"),
         None if token_norm is None else parameter(token_norm, "bias"),
         model.norm_eps,
-        pixel_mean,
-        pixel_std,
+        cfg.pixel_mean,
+        cfg.pixel_std,
         list(model.padded_size(*images.shape[2:])),
         cfg.output_fmt,
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _config_lists(cfg) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
-    """The op's strides, pixel mean and pixel std for a (frozen) config, made
-    once: a forward would otherwise rebuild them each call. Tuples, since every
-    call for the config shares them."""
-    return tuple(cfg.strides), cfg.pixel_mean, cfg.pixel_std
 
 
 def tokenize(images: torch.Tensor, model) -> torch.Tensor:

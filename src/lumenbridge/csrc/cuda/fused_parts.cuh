@@ -489,9 +489,9 @@ __device__ __forceinline__ float cluster_total(const float* local, int parts) {
 // Rows whose statistics a warp sums together, so that their shared reads
 // and shuffles overlap (one row at a time, each waited for the last: ncu put
 // 14% of the last stage's time in the statistics, mostly short scoreboard
-// and wait).
+// and wait). 8- and 16-warp blocks give every warp the same number of rows.
 constexpr int kRowsTogether = 4;
-static_assert(kTileRows % (kRowsTogether * 2 * kWarps) == 0, "8- and 16-warp blocks split the rows evenly");
+static_assert(kTileRows % kRowsTogether == 0, "a warp's rows lie inside the tile");
 
 // A lane's shares of the sums of rows r0 .. r0 + kRowsTogether - 1 over
 // columns c0 .. c1 - 1 (c0 a multiple of 8), or if Centered of their squared
@@ -636,9 +636,12 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, in
       *reinterpret_cast<uint4*>(o.out + pixel * o.channels + c) = chunk;
     }
   } else if (o.vector) {
-    // Normed rows of whole 16-byte units. A thread keeps one unit of columns
-    // and its 8 norm weights and biases, and walks rows: `walkers` threads
-    // share a unit where a row has fewer units than the block has threads.
+    // Normed rows of whole 16-byte units. A thread takes one unit of columns
+    // at a time, loads its 8 norm weights and biases once (16 bytes at a
+    // time: o.vector covers their alignment), and walks rows: `walkers`
+    // threads share a unit where a row has fewer units than the block has
+    // threads (the rest of the block idles: 32 of 512 threads at 768
+    // channels), and a thread takes several units in turn where it has more.
     const int units = o.units.value, walkers = max(1, static_cast<int>(blockDim.x) / units);
     for (int slot = threadIdx.x; slot < walkers * units; slot += blockDim.x) {
       const int first_row = o.units.quotient(slot), c = column0 + (slot - first_row * units) * 8;

@@ -594,9 +594,9 @@ def test_grad_scaler_with_float16_autocast(device, native_ops):
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator).to(device)
     exact = VisualTokenizer(NARROW, seed=0).double()
-    target_shape = exact.forward_layers(images.cpu(), "reference").shape
-    target = torch.randn(target_shape, dtype=torch.float64, generator=generator)
-    (exact.forward_layers(images.cpu(), "reference") * target).sum().backward()
+    features = exact.forward_layers(images.cpu(), "reference")
+    target = torch.randn(features.shape, dtype=torch.float64, generator=generator)
+    (features * target).sum().backward()
     target = target.to(device, torch.float32)
     results = {
         backend: scaled_float16_step(

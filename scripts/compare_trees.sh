@@ -1,43 +1,51 @@
 #!/usr/bin/env bash
-# Per-kernel times of several commits on one machine, for a change whose
-# effect is smaller than the spread between machines: each commit's src/ is
-# extracted and built (in parallel, each with its own extension cache), then
-# scripts/profile_tokenize.py (this checkout's) runs against each build in
-# turn, twice, and the fused kernels' lines are printed side by side. Logs go
-# to $OUT (default: compare_out/).
-#   bash scripts/compare_trees.sh REV [REV...]
+# Per-kernel times of several trees on one machine, for a change whose
+# effect is smaller than the spread between machines: each tree's src/ (a
+# commit's, or that of a directory holding src/, for a machine whose copy of
+# the checkout has no git history) is copied and built (in parallel, each
+# with its own extension cache), then scripts/profile_tokenize.py (this
+# checkout's) runs against each build in turn, twice, and the fused
+# kernels' lines are printed tree by tree. Logs go to $OUT (default:
+# compare_out/).
+#   bash scripts/compare_trees.sh TREE [TREE...]   TREE: a commit or a directory
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
 mkdir -p "$OUT"
-[ $# -ge 1 ] || { echo "usage: $0 REV [REV...]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 TREE [TREE...]" >&2; exit 2; }
 root=$(mktemp -d)
-for rev in "$@"; do
-  tree="$root/$rev"
-  mkdir -p "$tree"
-  git archive "$rev" src | tar -x -C "$tree" || exit 1
-  (TORCH_EXTENSIONS_DIR="$tree/ext" PYTHONPATH="$tree/src" python3 -m lumenbridge build \
-    >"$OUT/build-$rev.log" 2>&1; echo "build $rev rc=$?" >>"$OUT/build-$rev.log") &
+names=()
+for tree in "$@"; do
+  name=$(basename "$tree")
+  names+=("$name")
+  mkdir -p "$root/$name"
+  if [ -d "$tree/src" ]; then
+    cp -r "$tree/src" "$root/$name/" || exit 1
+  else
+    git archive "$tree" src | tar -x -C "$root/$name" || exit 1
+  fi
+  (TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" python3 -m lumenbridge build \
+    >"$OUT/build-$name.log" 2>&1; echo "build $name rc=$?" >>"$OUT/build-$name.log") &
 done
 wait
 status=0
-for rev in "$@"; do
-  tail -n 1 "$OUT/build-$rev.log"
-  grep -q "rc=0" "$OUT/build-$rev.log" || status=1
+for name in "${names[@]}"; do
+  tail -n 1 "$OUT/build-$name.log"
+  grep -q "rc=0" "$OUT/build-$name.log" || status=1
 done
 [ $status -eq 0 ] || exit 1
 for round in 1 2; do
-  for rev in "$@"; do
+  for name in "${names[@]}"; do
     # shellcheck disable=SC2086
-    TORCH_EXTENSIONS_DIR="$root/$rev/ext" PYTHONPATH="$root/$rev/src" \
-      python3 scripts/profile_tokenize.py ${PROFILE_ARGS:-} >"$OUT/profile-$rev-$round.log" 2>&1 || status=1
+    TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+      python3 scripts/profile_tokenize.py ${PROFILE_ARGS:-} >"$OUT/profile-$name-$round.log" 2>&1 || status=1
   done
 done
-for rev in "$@"; do
+for name in "${names[@]}"; do
   for round in 1 2; do
-    echo "== $rev, round $round"
-    grep -E "^== |lumenbridge::cuda" "$OUT/profile-$rev-$round.log"
+    echo "== $name, round $round"
+    grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
   done
 done
 exit $status

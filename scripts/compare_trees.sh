@@ -8,13 +8,15 @@
 # kernels' lines are printed tree by tree. Logs go to $OUT (default:
 # compare_out/).
 #   bash scripts/compare_trees.sh TREE [TREE...]   TREE: a commit or a directory
-#   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train").
+#   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
+#   ROOT is where the trees and their builds go (default: a new temporary
+#   folder), for a later command to use a build: ROOT/NAME/src and ROOT/NAME/ext.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
 mkdir -p "$OUT"
 [ $# -ge 1 ] || { echo "usage: $0 TREE [TREE...]" >&2; exit 2; }
-root=$(mktemp -d)
+root=${ROOT:-$(mktemp -d)}
 names=()
 for tree in "$@"; do
   name=$(basename "$tree")

@@ -5,6 +5,8 @@
 // the fused kernels do not cover; it follows the reference model step by step.
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "tokenize_steps.h"
 
 namespace lumenbridge {
@@ -12,8 +14,15 @@ namespace lumenbridge {
 at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p) {
   at::Tensor x = images.to(p.dtype);
   if (p.uint8_input) {
-    // In the parameters' dtype, as the reference model does it.
-    for (int64_t c = 0; c < p.C; ++c) x.select(1, c).sub_(p.mean[c]).div_(p.std[c]);
+    // (x - mean) / std in the parameters' dtype, as the reference model does
+    // it, with the statistics broadcast over the channels: each step one
+    // pass over the whole tensor in its layout (per-channel views of a
+    // channels-last tensor are strided, and three of them took 11% of an
+    // fp32 forward at B = 256).
+    std::vector<double> statistics(p.mean);
+    statistics.insert(statistics.end(), p.std.begin(), p.std.end());
+    const at::Tensor both = at::tensor(statistics, at::kDouble).to(x.options()).view({2, 1, p.C, 1, 1});
+    x = (x - both[0]) / both[1];
   }
   if (p.Hp != p.H || p.Wp != p.W) {
     // Zero padding after normalization: padded pixels are 0, not `mean`.

@@ -102,11 +102,18 @@ def many_tile_cases() -> list[TokenizeCase]:
     resident): NARROW at 72 x 256 x 256 has more tiles than blocks in every
     kernel; lumenbridge-large at K = 7 has 144 last-stage tiles, whose output
     tile and taps do not both fit a block's shared memory, so that kernel
-    loads its taps again for every tile."""
+    loads its taps again for every tile. The base preset at 24 x 224 x 224
+    and the small one at 48 have more tiles than half a wave in every stage
+    kernel, so none splits a tile's columns between blocks (tokenize_cases'
+    stage kernels split theirs): the path, and the widths, of the
+    benchmark's batches, which the two cases above reach only at NARROW's and
+    large's widths."""
     large_k7 = dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7)
     return [
         _case("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),
         _case("taps-reloaded-per-tile", large_k7, batch=36, size=(256, 256)),
+        _case("small-unsplit-tiles", TokenizerConfig.preset("lumenbridge-small"), batch=48, size=(224, 224)),
+        _case("base-unsplit-tiles", BASE, batch=24, size=(224, 224)),
     ]
 
 

@@ -21,6 +21,8 @@ names=()
 for tree in "$@"; do
   name=$(basename "$tree")
   names+=("$name")
+  # A ROOT used before may hold this name's tree: start it afresh.
+  rm -rf "${root:?}/$name/src"
   mkdir -p "$root/$name"
   if [ -d "$tree/src" ]; then
     cp -r "$tree/src" "$root/$name/" || exit 1

@@ -16,9 +16,10 @@ at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p)
   if (p.uint8_input) {
     // (x - mean) / std in the parameters' dtype, as the reference model does
     // it, with the statistics broadcast over the channels: each step one
-    // pass over the whole tensor in its layout (per-channel views of a
-    // channels-last tensor are strided, and three of them took 11% of an
-    // fp32 forward at B = 256).
+    // pass over the whole tensor in its layout, where per-channel views of a
+    // channels-last tensor are strided (fp32 at B = 256 from uint8: 5.68 ms
+    // per channel, 5.44 ms broadcast, 5.20 ms from float; one H2D copy of
+    // the statistics a call).
     std::vector<double> statistics(p.mean);
     statistics.insert(statistics.end(), p.std.begin(), p.std.end());
     const at::Tensor both = at::tensor(statistics, at::kDouble).to(x.options()).view({2, 1, p.C, 1, 1});

@@ -11,6 +11,10 @@
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
 #   ROOT is where the trees and their builds go (default: a new temporary
 #   folder), for a later command to use a build: ROOT/NAME/src and ROOT/NAME/ext.
+#   TEST_ARGS, if set, runs pytest with them (this checkout's tests) on each
+#   build before the profiles (e.g. "tests/test_tokenize.py -m cuda -k many_tiles");
+#   NCU_KERNELS, if set, runs scripts/ncu_sources.sh on each build after them
+#   with that kernel regex (logs in $OUT/ncu-NAME).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -39,6 +43,14 @@ for name in "${names[@]}"; do
   grep -q "rc=0" "$OUT/build-$name.log" || status=1
 done
 [ $status -eq 0 ] || exit 1
+if [ -n "${TEST_ARGS:-}" ]; then
+  for name in "${names[@]}"; do
+    # shellcheck disable=SC2086
+    TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+      python3 -m pytest -q -p no:cacheprovider $TEST_ARGS >"$OUT/test-$name.log" 2>&1 || status=1
+    echo "tests $name: $(tail -n 1 "$OUT/test-$name.log")"
+  done
+fi
 for round in 1 2; do
   for name in "${names[@]}"; do
     # shellcheck disable=SC2086
@@ -52,4 +64,12 @@ for name in "${names[@]}"; do
     grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
   done
 done
+if [ -n "${NCU_KERNELS:-}" ]; then
+  for name in "${names[@]}"; do
+    TORCH_EXTENSIONS_DIR="$root/$name/ext" SRC="$root/$name/src" KERNELS="$NCU_KERNELS" \
+      bash scripts/ncu_sources.sh "$OUT/ncu-$name" >"$OUT/ncu-$name.log" 2>&1 || status=1
+    echo "== ncu $name"
+    cat "$OUT/ncu-$name/phases.md" 2>/dev/null
+  done
+fi
 exit $status

@@ -6,8 +6,10 @@
 # barriers by scripts/ncu_phases.py (phases.md). By default the fused
 # forward's kernels, from uint8 input; KERNELS (an ncu name regex) picks
 # others, and TRAIN=1 profiles a training step (float input) instead, as in
-# scripts/ncu_tokenize.sh. BATCH sets the batch (default 256).
-# Usage: [KERNELS=REGEX] [TRAIN=1] [BATCH=B] bash scripts/ncu_sources.sh OUTDIR
+# scripts/ncu_tokenize.sh. BATCH sets the batch (default 256). SRC profiles
+# another tree's package (default: this checkout's src; e.g. a build of
+# scripts/compare_trees.sh, ROOT/NAME/src with TORCH_EXTENSIONS_DIR=ROOT/NAME/ext).
+# Usage: [KERNELS=REGEX] [TRAIN=1] [BATCH=B] [SRC=DIR] bash scripts/ncu_sources.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
@@ -15,7 +17,7 @@ mkdir -p "$out"
 kernels=${KERNELS:-fused_}
 mode=()
 [ -n "${TRAIN:-}" ] && mode=(--train)
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}"
 ncu --clock-control none -k "regex:$kernels" --launch-skip 3 --launch-count 3 --import-source yes \
   --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
   --section MemoryWorkloadAnalysis \

@@ -72,11 +72,12 @@ def test_cuda_float32_honours_the_tf32_switch(tf32, device, cuda_kernels, poison
         assert report.error <= report.floor, report  # 1e-5 of the largest reference value
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", many_tile_cases(), ids=lambda c: c.name)
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
-def test_cuda_blocks_that_walk_many_tiles(case, device, cuda_kernels, poisoned):
-    assert native.tokenize_path(device, case.config, torch.bfloat16) == "fused"
-    assert_within_twice_pytorch_error(case, torch.bfloat16, device)
+def test_cuda_blocks_that_walk_many_tiles(case, dtype, device, cuda_kernels, poisoned):
+    assert native.tokenize_path(device, case.config, dtype) == "fused"
+    assert_within_twice_pytorch_error(case, dtype, device)
 
 
 def test_fused_path_covers_every_preset_on_cuda(native_ops):

@@ -11,10 +11,12 @@
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
 #   ROOT is where the trees and their builds go (default: a new temporary
 #   folder), for a later command to use a build: ROOT/NAME/src and ROOT/NAME/ext.
-#   TEST_ARGS, if set, runs pytest with them (this checkout's tests) on each
-#   build before the profiles (e.g. "tests/test_tokenize.py -m cuda -k many_tiles");
+#   TEST_ARGS, if set, runs pytest with them (this checkout's tests, each
+#   tree's package) on each build before the profiles, quoted as in a shell
+#   (e.g. "tests/test_tokenize.py -m cuda -k 'many_tiles and float16'");
 #   NCU_KERNELS, if set, runs scripts/ncu_sources.sh on each build after them
-#   with that kernel regex (logs in $OUT/ncu-NAME).
+#   with that kernel regex (a forward at B = 256 unless TRAIN or BATCH says
+#   otherwise, as ncu_sources.sh reads them; logs in $OUT/ncu-NAME).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -44,10 +46,10 @@ for name in "${names[@]}"; do
 done
 [ $status -eq 0 ] || exit 1
 if [ -n "${TEST_ARGS:-}" ]; then
+  eval "test_args=($TEST_ARGS)"  # the shell's quoting, so a -k expression may hold spaces
   for name in "${names[@]}"; do
-    # shellcheck disable=SC2086
     TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
-      python3 -m pytest -q -p no:cacheprovider $TEST_ARGS >"$OUT/test-$name.log" 2>&1 || status=1
+      python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" >"$OUT/test-$name.log" 2>&1 || status=1
     echo "tests $name: $(tail -n 1 "$OUT/test-$name.log")"
   done
 fi

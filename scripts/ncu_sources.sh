@@ -11,13 +11,14 @@
 # scripts/compare_trees.sh, ROOT/NAME/src with TORCH_EXTENSIONS_DIR=ROOT/NAME/ext).
 # Usage: [KERNELS=REGEX] [TRAIN=1] [BATCH=B] [SRC=DIR] bash scripts/ncu_sources.sh OUTDIR
 set -euo pipefail
+src=$(realpath "${SRC:-$(dirname "$0")/../src}")  # before the cd: SRC may be relative to the caller
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
 mkdir -p "$out"
 kernels=${KERNELS:-fused_}
 mode=()
 [ -n "${TRAIN:-}" ] && mode=(--train)
-export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
 ncu --clock-control none -k "regex:$kernels" --launch-skip 3 --launch-count 3 --import-source yes \
   --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
   --section MemoryWorkloadAnalysis \

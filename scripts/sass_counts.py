@@ -2,7 +2,8 @@
 with nvcc (no GPU needed): compiles a kernel file with the extension's flags
 for sm_90a (the H200 machine's builds are 9.0a; torch's default for an H200,
 sm_90, has the same instructions but for wgmma and kin), disassembles it with
-nvdisasm and prints, per kernel, its instruction count and most frequent opcodes; --dump DIR writes each kernel's SASS there.
+nvdisasm and prints, per kernel, its instruction count and most frequent
+opcodes; --dump DIR writes each kernel's SASS there.
 
 Counting before a GPU call is how the fold's address arithmetic was found
 (benchmarks/NOTES.md, seventeenth session). nvdisasm ships with the CUDA

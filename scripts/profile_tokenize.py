@@ -23,6 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lumenbridge import VisualTokenizer, native
+from lumenbridge.dispatch import select_backend
+from lumenbridge.layout import is_channels_last
+from lumenbridge.shapes import stage_extents
 
 # The benchmarks' own per-call timing, so synchronized steps here are timed as bench_fused.py times them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -179,6 +182,17 @@ def host_us(call, repeats: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
+def forward_outputs(model, x: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors the size of the fused forward's outputs (every stage's but the
+    first, NHWC), allocated as the op allocates them: what allocation costs."""
+    cfg = model.config
+    sides = stage_extents(x.shape[-1], cfg.kernel_size, cfg.strides)
+    return [
+        torch.empty((x.shape[0], side, side, width), device=x.device, dtype=model.stages[0].dw.weight.dtype)
+        for side, width in zip(sides[1:], cfg.stage_widths[1:], strict=True)
+    ]
+
+
 def no_grad_call(op, args):
     with torch.no_grad():
         return op(*args)
@@ -191,6 +205,11 @@ def host_times(model, x: torch.Tensor, step=None) -> None:
     args = native.tokenize_arguments(x, model)
     op = torch.ops.lumenbridge.tokenize_for_training if step is not None else torch.ops.lumenbridge.tokenize
     parts = {
+        "the model's checks and backend choice": lambda: (
+            model._check_images(x),
+            select_backend(x.device, model.backend, channels_last=is_channels_last(x)),
+        ),
+        "the forward's outputs allocated alone": lambda: forward_outputs(model, x),
         "tokenize_arguments": lambda: native.tokenize_arguments(x, model),
         "the op alone": lambda: op(*args),
         "the op alone, no autograd": lambda: no_grad_call(op, args),

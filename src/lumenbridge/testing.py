@@ -100,20 +100,24 @@ def many_tile_cases() -> list[TokenizeCase]:
     """CUDA cases whose persistent blocks each take several tiles (an H200
     keeps 264 first-kernel and stage-3 blocks and 132 last-stage blocks
     resident): NARROW at 72 x 256 x 256 has more tiles than blocks in every
-    kernel; lumenbridge-large at K = 7 has 144 last-stage tiles, whose output
-    tile and taps do not both fit a block's shared memory, so that kernel
-    loads its taps again for every tile. The base preset at 24 x 224 x 224
-    and the small one at 48 have more tiles than half a wave in every stage
-    kernel, so none splits a tile's columns between blocks (tokenize_cases'
-    stage kernels split theirs): the path, and the widths, of the
-    benchmark's batches, which the two cases above reach only at NARROW's and
-    large's widths."""
+    kernel, none split; lumenbridge-large at K = 7 has 144 last-stage tiles,
+    whose output tile and taps do not both fit a block's shared memory, so
+    that kernel loads its taps again for every tile, and whose last 12 tiles
+    split their columns four ways in clusters (the token norm's). The small
+    and base presets run the benchmark's widths: a stage kernel runs its
+    whole waves unsplit and splits the tiles of a last wave that is at most
+    half full, as a launch of their own (small at 48: stage 3's last 60 of
+    588 tiles in two; base at 24: stage 3's last 30 of 294 in four; base at
+    64, the benchmark's batch: the last stage's last 64 of 196 in clusters
+    of two), and leaves a last wave more than half full unsplit (the last
+    stage of small at 48 and of base at 24)."""
     large_k7 = dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7)
     return [
         _case("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),
         _case("taps-reloaded-per-tile", large_k7, batch=36, size=(256, 256)),
-        _case("small-unsplit-tiles", TokenizerConfig.preset("lumenbridge-small"), batch=48, size=(224, 224)),
-        _case("base-unsplit-tiles", BASE, batch=24, size=(224, 224)),
+        _case("small-split-tail", TokenizerConfig.preset("lumenbridge-small"), batch=48, size=(224, 224)),
+        _case("base-split-tail", BASE, batch=24, size=(224, 224)),
+        _case("base-clustered-tail", BASE, batch=64, size=(224, 224)),
     ]
 
 

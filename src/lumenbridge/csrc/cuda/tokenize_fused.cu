@@ -1,5 +1,6 @@
 // lumenbridge::tokenize on CUDA: the whole tokenizer in S - 1 launches for S
-// stages, bf16 or fp16, intermediates in NHWC.
+// stages (and one more for each stage kernel whose last wave splits), bf16 or
+// fp16, intermediates in NHWC.
 //
 //   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output,
 //                  one wave of persistent blocks. Stage 2's 8 x 8 output tiles
@@ -210,7 +211,7 @@ struct StageArgs {
   const T* input;  // NHWC [N, H, W, Cin]
   int H, W, Ho, Wo, stride;
   int64_t pixels;  // N * Ho * Wo
-  int64_t tiles;   // of kTileRows pixels
+  int64_t first_tile, tiles;  // this launch's tiles of kTileRows pixels: [first_tile, tiles)
   bool vector_input;
   SharedLayout layout;
   size_t taps_offset;
@@ -330,10 +331,10 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
 // tiles whose shared memory leaves room for only one): 16 warps per SM either way.
-// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; with
-// Split, the `parts` blocks blockIdx.x = parts * i + part (a cluster where a
-// token norm needs one) walk tiles i, + gridDim.x / parts, ..., each its
-// part of the columns. The taps are
+// Persistent: a block walks tiles first_tile + blockIdx.x, + gridDim.x, ...;
+// with Split, the `parts` blocks blockIdx.x = parts * i + part (a cluster
+// where a token norm needs one) walk tiles first_tile + i, + gridDim.x /
+// parts, ..., each its part of the columns. The taps are
 // loaded once per block, past the output tile's reach where shared memory
 // has room (ncu: loading them per tile was most of the 10% of stage 3's time
 // before its depthwise), else once per tile.
@@ -349,7 +350,8 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const int Cin = s.pw.in_channels;
   const int64_t plane = static_cast<int64_t>(args.Ho) * args.Wo;
   const unsigned parts = Split ? s.output.parts : 1;
-  const unsigned part = Split ? blockIdx.x % parts : 0, first_tile = Split ? blockIdx.x / parts : blockIdx.x;
+  const unsigned part = Split ? blockIdx.x % parts : 0;
+  const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
@@ -987,6 +989,7 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   a.layout = layout.shared;
   a.taps_offset = layout.taps_offset;
   a.reload_taps = layout.reload_taps;
+  a.first_tile = 0;
   a.tiles = ceil_div64(a.pixels, kTileRows);
   const size_t shared_bytes = a.layout.total;
   const int threads = stage_threads(layout);
@@ -995,34 +998,42 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
                                : fused_stage_kernel<T, K, 2 * kThreads, split.value>;
   };
   const int64_t slots = one_wave(threads == kThreads ? 2 : 1);
-  int parts = column_parts(a.tiles, slots, a.gemm.output);
+  // Whole waves run unsplit; the tiles of a last wave that would leave at
+  // least half its blocks idle (all of them at small batches) split their
+  // columns, as a launch of their own.
+  const int64_t tail = a.tiles <= slots ? a.tiles : a.tiles % slots;
+  int parts = tail == 0 ? 1 : column_parts(tail, slots, a.gemm.output);
   // A token norm's parts are a cluster (row statistics over the whole row),
   // one a tile, all resident at once.
   const bool clustered = a.gemm.output.norm_weight != nullptr;
   const auto split_kernel = kernel(std::true_type{});
-  while (clustered && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < a.tiles) {
+  while (clustered && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < tail) {
     parts /= 2;
   }
-  split_columns(a.gemm.output, parts);
-  // More than one part means a wave holds every tile's parts.
-  if (parts > 1) {
-    launch(split_kernel, a.tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
-  } else {
+  if (parts == 1) {
     launch(kernel(std::false_type{}), std::min(a.tiles, slots), threads, shared_bytes, a);
+    return;
   }
+  StageArgs<T> whole_waves = a;
+  whole_waves.tiles = a.tiles - tail;
+  launch(kernel(std::false_type{}), std::min(whole_waves.tiles, slots), threads, shared_bytes, whole_waves);
+  a.first_tile = whole_waves.tiles;
+  split_columns(a.gemm.output, parts);
+  launch(split_kernel, tail * parts, threads, shared_bytes, a, clustered ? parts : 1);
 }
 
 // The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
 // also write each stage's depthwise rows and intermediate stages' outputs
-// before the activation into it.
+// before the activation into it. Each output is allocated just before the
+// launch that writes it: a call's first launch waits on the host.
 template <typename T, int K>
 at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
-  at::Tensor tokens = new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
   const size_t S = p.stages.size();
+  const at::TensorOptions options = images.options().dtype(p.dtype);
   auto stage_output = [&](size_t i) {
-    if (i + 1 == S) return tokens;
+    if (i + 1 == S) return new_output(p.output_sizes(), options, at::MemoryFormat::Contiguous);
     const TokenizeStage& s = p.stages[i];
-    return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, images.options().dtype(p.dtype));
+    return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, options);
   };
   at::Tensor x = stage_output(1);
   launch_first<T, K>(images, p, x, S == 2, saved.stage(0).rows, saved.stage(1));
@@ -1031,7 +1042,7 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const S
     launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i));
     x = y;
   }
-  return tokens;
+  return x;  // the tokens
 }
 
 }  // namespace

@@ -97,24 +97,28 @@ def tokenize_cases() -> list[TokenizeCase]:
 
 
 def many_tile_cases() -> list[TokenizeCase]:
-    """CUDA cases whose persistent blocks each take several tiles (an H200
-    keeps 264 first-kernel and stage-3 blocks and 132 last-stage blocks
-    resident): NARROW at 72 x 256 x 256 has more tiles than blocks in every
-    kernel, none split; lumenbridge-large at K = 7 has 144 last-stage tiles,
-    whose output tile and taps do not both fit a block's shared memory, so
-    that kernel loads its taps again for every tile, and whose last 12 tiles
-    split their columns four ways in clusters (the token norm's). The small
-    and base presets run the benchmark's widths: a stage kernel runs its
-    whole waves unsplit and splits the tiles of a last wave that is at most
-    half full, as a launch of their own (small at 48: stage 3's last 60 of
-    588 tiles in two; base at 24: stage 3's last 30 of 294 in four; base at
-    64, the benchmark's batch: the last stage's last 64 of 196 in clusters
-    of two), and leaves a last wave more than half full unsplit (the last
-    stage of small at 48 and of base at 24)."""
+    """CUDA cases whose persistent blocks each take several tiles. An H200
+    has 132 SMs: a kernel keeps 264 blocks resident where two fit an SM,
+    else 132 (the last stage of base and large, and stage 3 of large at
+    K = 7). NARROW at 72 x 256 x 256 has more tiles than blocks in every
+    kernel, none split. lumenbridge-large at K = 7 and 72 x 256 x 256: its
+    last stage's output tile and taps do not both fit a block's shared
+    memory, so that kernel loads its taps again for every tile, and its
+    blocks take two tiles each before the last 24 of 288 split four ways in
+    clusters (the token norm's). A stage kernel runs its whole waves
+    unsplit and splits the tiles of a last wave that is at most half full,
+    as a launch of their own; the small and base presets run the
+    benchmark's widths: small at 48 splits stage 3's last 60 of 588 tiles
+    in four, base at 24 stage 3's last 30 of 294 in four, base at 64 (the
+    benchmark's batch) the last stage's last 64 of 196 in clusters of two;
+    the last stages of small at 48 (147 tiles for 264 blocks) and base at
+    24 (74 for 132) run unsplit, more than half a wave. Which path runs is
+    not observable from Python: these counts are the launch code's, for an
+    H200, and need the runtime to report enough resident clusters."""
     large_k7 = dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7)
     return [
         _case("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),
-        _case("taps-reloaded-per-tile", large_k7, batch=36, size=(256, 256)),
+        _case("taps-reloaded-per-tile", large_k7, batch=72, size=(256, 256)),
         _case("small-split-tail", TokenizerConfig.preset("lumenbridge-small"), batch=48, size=(224, 224)),
         _case("base-split-tail", BASE, batch=24, size=(224, 224)),
         _case("base-clustered-tail", BASE, batch=64, size=(224, 224)),

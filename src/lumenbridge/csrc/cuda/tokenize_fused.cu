@@ -1,6 +1,6 @@
 // lumenbridge::tokenize on CUDA: the whole tokenizer in S - 1 launches for S
-// stages (and one more for each stage kernel whose last wave splits), bf16 or
-// fp16, intermediates in NHWC.
+// stages (one more for each stage kernel that runs whole waves and then a
+// split last wave), bf16 or fp16, intermediates in NHWC.
 //
 //   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output,
 //                  one wave of persistent blocks. Stage 2's 8 x 8 output tiles
@@ -331,10 +331,10 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
 // tiles whose shared memory leaves room for only one): 16 warps per SM either way.
-// Persistent: a block walks tiles first_tile + blockIdx.x, + gridDim.x, ...;
-// with Split, the `parts` blocks blockIdx.x = parts * i + part (a cluster
-// where a token norm needs one) walk tiles first_tile + i, + gridDim.x /
-// parts, ..., each its part of the columns. The taps are
+// Persistent: a block walks tiles args.first_tile + blockIdx.x, + gridDim.x,
+// ...; with Split, the `parts` blocks blockIdx.x = parts * i + part (a
+// cluster where a token norm needs one) walk tiles args.first_tile + i, +
+// gridDim.x / parts, ..., each its part of the columns. The taps are
 // loaded once per block, past the output tile's reach where shared memory
 // has room (ncu: loading them per tile was most of the 10% of stage 3's time
 // before its depthwise), else once per tile.
@@ -855,8 +855,9 @@ void split_columns(TileOutput<T>& o, int parts) {
   o.units = Divisor::of(o.vector ? o.columns / 8 : o.columns);
 }
 
-// Parts per tile for a stage kernel launch: while a wave of `slots` blocks
-// would leave at least half its blocks idle (small batches), the columns
+// Parts per tile for the `tiles` of a stage kernel's last wave: while that
+// wave of `slots` blocks would leave at least half its blocks idle (every
+// tile is in it at small batches), the columns
 // split in two again, up to kMaxColumnParts, in whole 16-byte units; each
 // part computes the tile's whole depthwise step, so the split pays where
 // blocks are idle, not where a wave is full.
@@ -875,8 +876,8 @@ int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
 // an older target, compiled on a newer GPU at load, has no cluster code);
 // else cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
 // so a wave's worth of blocks in clusters may not all fit). Asked of the
-// runtime once per kernel, device and shape: small batches, which split,
-// spend most of a call's time on the host.
+// runtime once per kernel, device and shape: calls that split (small
+// batches above all) spend most of their time on the host.
 template <typename Kernel>
 int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int parts) {
   using Key = std::tuple<const void*, int, int, size_t, int>;

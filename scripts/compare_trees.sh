@@ -17,6 +17,11 @@
 #   NCU_KERNELS, if set, runs scripts/ncu_sources.sh on each build after them
 #   with that kernel regex (a forward at B = 256 unless TRAIN or BATCH says
 #   otherwise, as ncu_sources.sh reads them; logs in $OUT/ncu-NAME).
+#   BENCH_ARGS, if set, runs benchmarks/bench_fused.py with them (e.g.
+#   "--cases bf16:1:224 bf16:64:224 --providers lumenbridge") on each build,
+#   the trees taking turns for BENCH_ROUNDS rounds (default 4), and prints
+#   each run's LumenBridge rows: end-to-end times vary between runs on one
+#   machine by more than a small change, so one run a tree cannot rank them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -66,6 +71,18 @@ for name in "${names[@]}"; do
     grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
   done
 done
+if [ -n "${BENCH_ARGS:-}" ]; then
+  eval "bench_args=($BENCH_ARGS)"
+  for round in $(seq "${BENCH_ROUNDS:-4}"); do
+    for name in "${names[@]}"; do
+      log="$OUT/bench-$name-$round.log"
+      TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+        python3 benchmarks/bench_fused.py --out "$OUT/bench-$name-$round" "${bench_args[@]}" >"$log" 2>&1 || status=1
+      echo "== bench $name, round $round"
+      grep -E "^\| [a-z0-9]+ \| [0-9]+ \| [0-9]+ \| lumenbridge" "$log"
+    done
+  done
+fi
 if [ -n "${NCU_KERNELS:-}" ]; then
   for name in "${names[@]}"; do
     TORCH_EXTENSIONS_DIR="$root/$name/ext" SRC="$root/$name/src" KERNELS="$NCU_KERNELS" \

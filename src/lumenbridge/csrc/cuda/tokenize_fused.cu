@@ -1011,16 +1011,14 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   while (clustered && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < tail) {
     parts /= 2;
   }
-  if (parts == 1) {
-    launch(kernel(std::false_type{}), std::min(a.tiles, slots), threads, shared_bytes, a);
-    return;
-  }
+  const int64_t split_tiles = parts > 1 ? tail : 0;
   StageArgs<T> whole_waves = a;
-  whole_waves.tiles = a.tiles - tail;
+  whole_waves.tiles = a.tiles - split_tiles;
   launch(kernel(std::false_type{}), std::min(whole_waves.tiles, slots), threads, shared_bytes, whole_waves);
+  if (split_tiles == 0) return;
   a.first_tile = whole_waves.tiles;
   split_columns(a.gemm.output, parts);
-  launch(split_kernel, tail * parts, threads, shared_bytes, a, clustered ? parts : 1);
+  launch(split_kernel, split_tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
 }
 
 // The tokens; with `saved` (tokenize_for_training's, or empty) the kernels

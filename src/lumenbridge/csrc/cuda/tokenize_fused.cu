@@ -1,6 +1,8 @@
 // lumenbridge::tokenize on CUDA: the whole tokenizer in S - 1 launches for S
 // stages (one more for each stage kernel that runs whole waves and then a
-// split last wave), bf16 or fp16, intermediates in NHWC.
+// split last wave), bf16 or fp16, intermediates in NHWC. Where a kernel
+// leaves SMs idle (small batches), the next one starts its blocks there
+// before it ends (programmatic dependent launch, sm_90).
 //
 //   first kernel   images (uint8 or T, NCHW or NHWC) -> stage 1 -> stage 2 output,
 //                  one wave of persistent blocks. Stage 2's 8 x 8 output tiles
@@ -203,6 +205,29 @@ __device__ __forceinline__ void load_floats8(const float* p, float (&v)[8]) {
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
+// ---- the order of the kernels ---------------------------------------------------
+
+// Each kernel lets the next one start its blocks at once. Where the kernel
+// before it leaves SMs idle (small batches), a stage kernel is launched
+// programmatically (Follows::kFusedKernel), so its blocks load their taps and
+// lay out their rows on those SMs while that kernel still runs, and cross
+// wait_for_previous_kernel before they read or write anything in device
+// memory but the parameters. Writing waits too: a tensor the kernel before
+// reads may be freed on the host and handed out again as this kernel's output.
+// Both are no-ops for a plain launch.
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Returns once the kernel before this one has finished and its writes are visible.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- the stage kernel ----------------------------------------------------------
 
 template <typename T>
@@ -352,6 +377,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const unsigned parts = Split ? s.output.parts : 1;
   const unsigned part = Split ? blockIdx.x % parts : 0;
   const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
+  let_next_kernel_start();
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
@@ -363,6 +389,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
       sources.x[r] = (offset % args.Wo) * args.stride - K / 2;
       sources.offset[r] = image * args.H * args.W * Cin;
     }
+    if (tile == first_tile) wait_for_previous_kernel();
     __syncthreads();
 
     if (args.vector_input) {
@@ -671,6 +698,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int Kp = s.k_padded;
   constexpr int pad = K / 2;
 
+  let_next_kernel_start();
   load_stage1_weight(args, Kp, w1, b1);
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
@@ -793,39 +821,66 @@ int64_t one_wave(int per_sm) {
   return int64_t{sms} * per_sm;
 }
 
-// A launch of `blocks` blocks in thread-block clusters of `cluster`, on the current stream.
-struct ClusterLaunch {
-  cudaLaunchAttribute attribute;
+// How a launch follows the kernel before it on the stream.
+enum class Follows {
+  kAnyWork,      // after all earlier work has finished, as a plain launch does
+  kFusedKernel,  // programmatically: it may start while the kernel before it (one of
+                 // this file's, which lets it) runs, and waits in wait_for_previous_kernel
+};
+
+// A launch of `blocks` blocks on the current stream, in thread-block
+// clusters of `cluster` where that is above 1.
+struct KernelLaunch {
+  cudaLaunchAttribute attributes[2];
   cudaLaunchConfig_t config;
 
-  ClusterLaunch(int64_t blocks, int threads, size_t shared_bytes, int cluster) : attribute{}, config{} {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = cluster;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
+  KernelLaunch(int64_t blocks, int threads, size_t shared_bytes, int cluster, Follows follows)
+      : attributes{}, config{} {
     config.gridDim = dim3(grid_x(blocks));
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = shared_bytes;
     config.stream = at::cuda::getCurrentCUDAStream();
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    config.attrs = attributes;
+    if (cluster > 1) {
+      cudaLaunchAttribute& clusters = attributes[config.numAttrs++];
+      clusters.id = cudaLaunchAttributeClusterDimension;
+      clusters.val.clusterDim.x = cluster;
+      clusters.val.clusterDim.y = 1;
+      clusters.val.clusterDim.z = 1;
+    }
+    if (follows == Follows::kFusedKernel) {
+      cudaLaunchAttribute& early = attributes[config.numAttrs++];
+      early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      early.val.programmaticStreamSerializationAllowed = 1;
+    }
   }
-  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attribute
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  KernelLaunch(const KernelLaunch&) = delete;  // config points at attributes
+  KernelLaunch& operator=(const KernelLaunch&) = delete;
 };
 
-// Launches `blocks` blocks, in thread-block clusters of `cluster` where that is above 1.
+// How the next stage kernel follows a launch of `blocks` blocks: early where
+// those leave whole SMs idle for its blocks to start on and the device has
+// programmatic launches (sm_90); else after it, as a plain launch. Measured
+// on the H200 (benchmarks/NOTES.md, steps 67 and 68): early everywhere made
+// every batch from 8 up slower.
+Follows next_follows(int64_t blocks) {
+  int major = 0, sms = 0;
+  const int device = c10::cuda::current_device();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return major >= 9 && blocks < sms ? Follows::kFusedKernel : Follows::kAnyWork;
+}
+
+// Launches `blocks` blocks, in thread-block clusters of `cluster` where that
+// is above 1, and returns how the next stage kernel follows it.
 template <typename Kernel, typename Args>
-void launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args, int cluster = 1) {
-  if (blocks == 0) return;
+Follows launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args, Follows follows,
+               int cluster = 1) {
+  if (blocks == 0) return follows;
   allow_shared_bytes(kernel, shared_bytes);
-  if (cluster == 1) {
-    kernel<<<grid_x(blocks), threads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  const ClusterLaunch clustered(blocks, threads, shared_bytes, cluster);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&clustered.config, kernel, args));
+  const KernelLaunch launched(blocks, threads, shared_bytes, cluster, follows);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launched.config, kernel, args));
+  return next_follows(blocks);
 }
 
 // `saved`: where tokenize_for_training keeps the stage's depthwise rows (undefined for tokenize).
@@ -892,7 +947,7 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int p
   int resident = 0;
   if (attributes.ptxVersion >= 90) {
     allow_shared_bytes(kernel, shared_bytes);
-    const ClusterLaunch clustered(parts, threads, shared_bytes, parts);
+    const KernelLaunch clustered(parts, threads, shared_bytes, parts, Follows::kAnyWork);
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
   }
   answers.emplace(key, resident);
@@ -922,8 +977,9 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
   return o;
 }
 
+// Launches the first kernel; returns how the next stage kernel follows it.
 template <typename T, int K>
-void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
+Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
                   const at::Tensor& saved_rows1, const SavedStage& saved) {
   const TokenizeStage& s1 = p.stages[0];
   const TokenizeStage& s2 = p.stages[1];
@@ -968,12 +1024,14 @@ void launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor
   a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
   const int64_t blocks = std::min(tiles, one_wave(two_blocks_fit(a.layout.total) ? 2 : 1));
-  launch(fused_first_kernel<T, K>, blocks, kThreads, a.layout.total, a);
+  return launch(fused_first_kernel<T, K>, blocks, kThreads, a.layout.total, a, Follows::kAnyWork);
 }
 
+// Launches stage i's kernel (two launches where its last wave splits), the
+// first as `follows` says; returns how the next stage kernel follows the last.
 template <typename T, int K>
-void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, at::Tensor& out, bool last,
-                  const SavedStage& saved) {
+Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, at::Tensor& out, bool last,
+                     const SavedStage& saved, Follows follows) {
   const TokenizeStage& stage = p.stages[i];
   const TokenizeStage& before = p.stages[i - 1];
   StageArgs<T> a;
@@ -1014,11 +1072,12 @@ void launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i, a
   const int64_t split_tiles = parts > 1 ? tail : 0;
   StageArgs<T> whole_waves = a;
   whole_waves.tiles = a.tiles - split_tiles;
-  launch(kernel(std::false_type{}), std::min(whole_waves.tiles, slots), threads, shared_bytes, whole_waves);
-  if (split_tiles == 0) return;
+  follows = launch(kernel(std::false_type{}), std::min(whole_waves.tiles, slots), threads, shared_bytes, whole_waves,
+                   follows);
+  if (split_tiles == 0) return follows;
   a.first_tile = whole_waves.tiles;
   split_columns(a.gemm.output, parts);
-  launch(split_kernel, split_tiles * parts, threads, shared_bytes, a, clustered ? parts : 1);
+  return launch(split_kernel, split_tiles * parts, threads, shared_bytes, a, follows, clustered ? parts : 1);
 }
 
 // The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
@@ -1035,10 +1094,10 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const S
     return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, options);
   };
   at::Tensor x = stage_output(1);
-  launch_first<T, K>(images, p, x, S == 2, saved.stage(0).rows, saved.stage(1));
+  Follows follows = launch_first<T, K>(images, p, x, S == 2, saved.stage(0).rows, saved.stage(1));
   for (size_t i = 2; i < S; ++i) {
     at::Tensor y = stage_output(i);
-    launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i));
+    follows = launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i), follows);
     x = y;
   }
   return x;  // the tokens

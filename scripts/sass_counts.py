@@ -3,7 +3,8 @@ with nvcc (no GPU needed): compiles a kernel file with the extension's flags
 for sm_90a (the H200 machine's builds are 9.0a; torch's default for an H200,
 sm_90, has the same instructions but for wgmma and kin), disassembles it with
 nvdisasm and prints, per kernel, its instruction count and most frequent
-opcodes; --dump DIR writes each kernel's SASS there.
+opcodes; --dump DIR writes each kernel's SASS there. A CPU-only build of torch
+will do (the CUDA toolkit is then the one nvcc belongs to).
 
 Counting before a GPU call is how the fold's address arithmetic was found
 (benchmarks/NOTES.md, seventeenth session). nvdisasm ships with the CUDA
@@ -62,8 +63,24 @@ def find_nvdisasm(given: str | None) -> str:
     sys.exit("sass_counts: no nvdisasm (install the CUDA toolkit's, or `pip install nvidia-cuda-nvdisasm`)")
 
 
+def cuda_include_paths(scratch: Path) -> list[str]:
+    """torch's include paths for CUDA sources. A CPU build of torch knows no
+    CUDA home and lacks c10's CUDA build-macros header: there the toolkit is
+    the one nvcc belongs to, and the header a stub in `scratch` (the
+    extension builds c10's CUDA library as a shared one)."""
+    try:
+        return cpp_extension.include_paths(device_type="cuda")
+    except OSError:
+        macros = scratch / "stub" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        macros.parent.mkdir(parents=True, exist_ok=True)
+        macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        nvcc = shutil.which("nvcc")
+        toolkit = [str(Path(nvcc).resolve().parent.parent / "include")] if nvcc else []
+        return [*cpp_extension.include_paths(), *toolkit, str(scratch / "stub")]
+
+
 def compile_cubin(source: Path, cubin: Path) -> None:
-    paths = [*cpp_extension.include_paths(device_type="cuda"), sysconfig.get_paths()["include"], CSRC]
+    paths = [*cuda_include_paths(cubin.parent), sysconfig.get_paths()["include"], CSRC]
     includes = [f"-I{path}" for path in paths]
     done = subprocess.run(
         ["nvcc", *NVCC_FLAGS, *includes, "-cubin", "-o", str(cubin), str(source)],

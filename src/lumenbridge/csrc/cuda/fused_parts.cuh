@@ -398,7 +398,7 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         }
         // This slot's next k-group, kDepth ahead, where there is one: past
         // the last, the refill's address and bounds would cost as much as a
-        // load (a K of three groups, the first kernel's, refills nothing).
+        // load (lumenbridge-base's first kernel, a K of three groups, refills nothing).
         if (kg + kDepth < k_groups) {
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, kg + kDepth);

@@ -824,8 +824,8 @@ int64_t one_wave(int per_sm) {
 // How a launch follows the kernel before it on the stream.
 enum class Follows {
   kAnyWork,      // after all earlier work has finished, as a plain launch does
-  kFusedKernel,  // programmatically: it may start while the kernel before it (one of
-                 // this file's, which lets it) runs, and waits in wait_for_previous_kernel
+  kFusedKernel,  // programmatically: it may start while the kernel before it (usually one
+                 // of this file's, which lets it) runs, and waits in wait_for_previous_kernel
 };
 
 // A launch of `blocks` blocks on the current stream, in thread-block
@@ -871,12 +871,32 @@ Follows next_follows(int64_t blocks) {
   return major >= 9 && blocks < sms ? Follows::kFusedKernel : Follows::kAnyWork;
 }
 
+// Whether `kernel` runs code compiled for sm_90 or later on the current
+// device: PTX of an older target, compiled for a newer GPU when the library
+// loads, has neither cluster nor griddepcontrol instructions. Asked of the
+// runtime once per kernel and device.
+template <typename Kernel>
+bool compiled_for_sm90(Kernel kernel) {
+  using Key = std::pair<const void*, int>;
+  static std::mutex mutex;
+  static std::map<Key, bool> answers;
+  const Key key{reinterpret_cast<const void*>(kernel), c10::cuda::current_device()};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto known = answers.find(key);
+  if (known != answers.end()) return known->second;
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return answers.emplace(key, attributes.ptxVersion >= 90).first->second;
+}
+
 // Launches `blocks` blocks, in thread-block clusters of `cluster` where that
-// is above 1, and returns how the next stage kernel follows it.
+// is above 1, and returns how the next stage kernel follows it. A kernel
+// without the wait (compiled for an older target) follows plainly.
 template <typename Kernel, typename Args>
 Follows launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args, Follows follows,
                int cluster = 1) {
   if (blocks == 0) return follows;
+  if (follows == Follows::kFusedKernel && !compiled_for_sm90(kernel)) follows = Follows::kAnyWork;
   allow_shared_bytes(kernel, shared_bytes);
   const KernelLaunch launched(blocks, threads, shared_bytes, cluster, follows);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&launched.config, kernel, args));
@@ -927,9 +947,8 @@ int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
 }
 
 // Clusters of `parts` blocks of `kernel` that the current device holds at
-// once: 0 where the kernel was compiled for a target before sm_90 (PTX of
-// an older target, compiled on a newer GPU at load, has no cluster code);
-// else cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
+// once: 0 where the kernel has no cluster code (compiled_for_sm90); else
+// cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
 // so a wave's worth of blocks in clusters may not all fit). Asked of the
 // runtime once per kernel, device and shape: calls that split (small
 // batches above all) spend most of their time on the host.
@@ -942,10 +961,8 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int p
   const std::lock_guard<std::mutex> lock(mutex);
   const auto known = answers.find(key);
   if (known != answers.end()) return known->second;
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   int resident = 0;
-  if (attributes.ptxVersion >= 90) {
+  if (compiled_for_sm90(kernel)) {
     allow_shared_bytes(kernel, shared_bytes);
     const KernelLaunch clustered(parts, threads, shared_bytes, parts, Follows::kAnyWork);
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));

@@ -22,6 +22,10 @@
 #   the trees taking turns for BENCH_ROUNDS rounds (default 4), and prints
 #   each run's LumenBridge rows: end-to-end times vary between runs on one
 #   machine by more than a small change, so one run a tree cannot rank them.
+#   GRAPH_ARGS, if set (e.g. "--batches 1 8", or "" for the defaults, as
+#   GRAPH_ARGS= ), does the same with scripts/graph_time.py: the GPU time of
+#   a forward replayed from a CUDA graph, steady to about 1% where the
+#   benchmark's eager calls at small batches are not.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -71,17 +75,29 @@ for name in "${names[@]}"; do
     grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
   done
 done
-if [ -n "${BENCH_ARGS:-}" ]; then
-  eval "bench_args=($BENCH_ARGS)"
+# in_turns KIND PATTERN COMMAND...: COMMAND on each build, the trees taking
+# turns for BENCH_ROUNDS rounds; prints the lines of each run's log that
+# match PATTERN ({} in COMMAND is the run's own output folder).
+in_turns() {
+  local kind=$1 pattern=$2; shift 2
   for round in $(seq "${BENCH_ROUNDS:-4}"); do
     for name in "${names[@]}"; do
-      log="$OUT/bench-$name-$round.log"
+      local log="$OUT/$kind-$name-$round.log"
       TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
-        python3 benchmarks/bench_fused.py --out "$OUT/bench-$name-$round" "${bench_args[@]}" >"$log" 2>&1 || status=1
-      echo "== bench $name, round $round"
-      grep -E "^\| [a-z0-9]+ \| [0-9]+ \| [0-9]+ \| lumenbridge" "$log"
+        "${@//\{\}/$OUT/$kind-$name-$round}" >"$log" 2>&1 || status=1
+      echo "== $kind $name, round $round"
+      grep -E "$pattern" "$log"
     done
   done
+}
+if [ -n "${BENCH_ARGS:-}" ]; then
+  eval "bench_args=($BENCH_ARGS)"
+  in_turns bench "^\| [a-z0-9]+ \| [0-9]+ \| [0-9]+ \| lumenbridge" \
+    python3 benchmarks/bench_fused.py --out {} "${bench_args[@]}"
+fi
+if [ -n "${GRAPH_ARGS+set}" ]; then
+  eval "graph_args=($GRAPH_ARGS)"
+  in_turns graph "^B=" python3 scripts/graph_time.py "${graph_args[@]}"
 fi
 if [ -n "${NCU_KERNELS:-}" ]; then
   for name in "${names[@]}"; do

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -10,6 +14,17 @@ import torch
 from lumenbridge import extension, native
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module (the scripts are not a package), kept
+    in sys.modules, where dataclasses look their module up."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

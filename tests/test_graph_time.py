@@ -3,19 +3,13 @@ without a GPU, and a short run on one."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "graph_time.py"
-spec = importlib.util.spec_from_file_location("graph_time", SCRIPT)
-graph_time = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = graph_time
-spec.loader.exec_module(graph_time)
+graph_time = load_script("graph_time")
 
 
 def test_a_replay_is_shared_by_its_forwards():

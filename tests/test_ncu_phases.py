@@ -4,15 +4,11 @@ stall samples and instructions of each phase."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu_phases.py"
-spec = importlib.util.spec_from_file_location("ncu_phases", SCRIPT)
-ncu_phases = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = ncu_phases  # dataclasses look their module up there
-spec.loader.exec_module(ncu_phases)
+from conftest import load_script
+
+ncu_phases = load_script("ncu_phases")
 
 HEADER = [
     "Address",

@@ -3,15 +3,9 @@ script itself needs a CUDA GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_tokenize.py"
-spec = importlib.util.spec_from_file_location("profile_tokenize", SCRIPT)
-profile_tokenize = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = profile_tokenize
-spec.loader.exec_module(profile_tokenize)
+profile_tokenize = load_script("profile_tokenize")
 
 
 def test_kernel_gaps_count_idle_time_between_kernels_only():

@@ -3,17 +3,10 @@ each one's instructions by opcode (predicated ones included)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_counts.py"
-spec = importlib.util.spec_from_file_location("sass_counts", SCRIPT)
-sass_counts = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = sass_counts
-spec.loader.exec_module(sass_counts)
+sass_counts = load_script("sass_counts")
 
 LISTING = """\
 \t.section\t.text._Z5firstv,"ax",@progbits

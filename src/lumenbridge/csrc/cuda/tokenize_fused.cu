@@ -997,7 +997,7 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
 // Launches the first kernel; returns how the next stage kernel follows it.
 template <typename T, int K>
 Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
-                  const at::Tensor& saved_rows1, const SavedStage& saved) {
+                     const at::Tensor& saved_rows1, const SavedStage& saved) {
   const TokenizeStage& s1 = p.stages[0];
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;

@@ -859,22 +859,18 @@ struct KernelLaunch {
 };
 
 // How the next stage kernel follows a launch of `blocks` blocks: early where
-// those leave whole SMs idle for its blocks to start on and the device has
-// programmatic launches (sm_90); else after it, as a plain launch. Measured
-// on the H200 (benchmarks/NOTES.md, steps 67 and 68): early everywhere made
-// every batch from 8 up slower.
+// those leave whole SMs idle for its blocks to start on, else after it, as a
+// plain launch (launch itself falls back to that for a kernel without sm_90
+// code). Measured on the H200 (benchmarks/NOTES.md, steps 67 and 68): early
+// everywhere made every batch from 8 up slower.
 Follows next_follows(int64_t blocks) {
-  int major = 0, sms = 0;
-  const int device = c10::cuda::current_device();
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return major >= 9 && blocks < sms ? Follows::kFusedKernel : Follows::kAnyWork;
+  return blocks < one_wave(1) ? Follows::kFusedKernel : Follows::kAnyWork;
 }
 
 // Whether `kernel` runs code compiled for sm_90 or later on the current
-// device: PTX of an older target, compiled for a newer GPU when the library
-// loads, has neither cluster nor griddepcontrol instructions. Asked of the
-// runtime once per kernel and device.
+// device: GPUs before sm_90 run older code, and PTX of an older target,
+// compiled for a newer GPU when the library loads, has neither cluster nor
+// griddepcontrol instructions. Asked of the runtime once per kernel and device.
 template <typename Kernel>
 bool compiled_for_sm90(Kernel kernel) {
   using Key = std::pair<const void*, int>;
@@ -891,7 +887,8 @@ bool compiled_for_sm90(Kernel kernel) {
 
 // Launches `blocks` blocks, in thread-block clusters of `cluster` where that
 // is above 1, and returns how the next stage kernel follows it. A kernel
-// without the wait (compiled for an older target) follows plainly.
+// without sm_90 code (no wait, or a GPU without programmatic launches)
+// follows plainly.
 template <typename Kernel, typename Args>
 Follows launch(Kernel kernel, int64_t blocks, int threads, size_t shared_bytes, const Args& args, Follows follows,
                int cluster = 1) {

@@ -20,10 +20,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from lumenbridge import VisualTokenizer, native
+
+# The profiler's sample images, so both tools time the same inputs.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_tokenize import images as sample_images
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,15 +60,6 @@ def replay_ms(model: VisualTokenizer, images: torch.Tensor, forwards: int, repla
             end.synchronize()
             times.append(start.elapsed_time(end))
     return times
-
-
-def sample_images(kind: str, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    shape = (batch, 3, 224, 224)
-    if kind == "uint8":
-        x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
-    else:
-        x = torch.randn(shape, dtype=dtype, device="cuda")
-    return x.contiguous(memory_format=torch.channels_last)
 
 
 def main(argv: list[str] | None = None) -> None:

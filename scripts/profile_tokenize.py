@@ -32,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_depthwise import median_ms
 
 
-def images(kind: str, batch: int) -> torch.Tensor:
+def images(kind: str, batch: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A CUDA batch of 224 x 224 channels-last images: uint8, or float in `dtype`."""
     shape = (batch, 3, 224, 224)
     x = (
         torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
         if kind == "uint8"
-        else torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        else torch.randn(shape, device="cuda", dtype=dtype)
     )
     return x.contiguous(memory_format=torch.channels_last)
 

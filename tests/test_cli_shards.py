@@ -207,6 +207,29 @@ def test_unreadable_images_go_to_the_errors_file(tmp_path, images, capsys):
     assert [entry["key"] for entry in index_of(out)] == images
 
 
+def test_names_that_are_not_utf8(tmp_path, images):
+    """A file or tar member whose name is Latin-1, not UTF-8, is tokenized and
+    indexed like any other, and its key gives back the name's bytes."""
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    try:
+        with open(os.path.join(os.fsencode(folder), b"caf\xe9.jpg"), "wb") as file:
+            file.write(Path(images[1]).read_bytes())
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    latin1_tar = tmp_path / "latin1.tar"
+    with tarfile.open(latin1_tar, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        tar.add(images[2], arcname="d\xe9j\xe0/000.jpg")
+    out = tmp_path / "out"
+    assert tokenize(folder, latin1_tar, "--out", out) == 0
+    keys = [entry["key"] for entry in index_of(out)]
+    assert [os.fsencode(key) for key in keys] == [os.path.join(os.fsencode(folder), b"caf\xe9.jpg"), b"d\xe9j\xe0/000"]
+    reader = lumenbridge.read_tokens(out)
+    want = expected(images[1:3])
+    torch.testing.assert_close(reader[keys[0]], want[0])
+    torch.testing.assert_close(reader[keys[1]], want[1])
+
+
 # --- inputs: tars, brace patterns, lists --------------------------------------------------------
 
 

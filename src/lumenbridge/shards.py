@@ -60,8 +60,17 @@ def shard_count(images: int, shard_size: int) -> int:
 
 
 def dumps(record: dict) -> str:
-    """One JSON line, the same bytes for the same record on every run."""
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    """One JSON line, the same bytes for the same record on every run. A name
+    that is not valid UTF-8 (Python keeps its bytes as surrogate escapes) has
+    no UTF-8 text, so a record holding one is written with \\u escapes, which
+    json.loads reads back as the same str (and os.fsencode turns into the
+    same bytes)."""
+    line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    try:
+        line.encode()
+    except UnicodeEncodeError:
+        return json.dumps(record, separators=(",", ":"))
+    return line
 
 
 def fsync_directory(path: str | os.PathLike) -> None:

@@ -252,6 +252,63 @@ def test_a_weight_its_class_computes_reaches_the_op(native_ops):
     assert not torch.equal(run_op(model, images), before)
 
 
+def _edit_act(model):
+    model.act = torch.nn.ReLU()
+
+
+def _edit_token_norm_eps(model):
+    model.token_norm.eps = 0.1
+
+
+def _drop_token_norm_affine(model):
+    model.token_norm = torch.nn.LayerNorm(model.config.embed_dim, elementwise_affine=False)
+
+
+def _drop_token_norm(model):
+    model.token_norm = torch.nn.Identity()
+
+
+def _edit_stage_norm_eps(model):
+    model.stages[2].norm.eps = 0.5
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_edit_act, _edit_token_norm_eps, _drop_token_norm_affine, _drop_token_norm, _edit_stage_norm_eps],
+    ids=lambda edit: edit.__name__.strip("_"),
+)
+def test_edited_modules_run_layer_by_layer_and_say_so(native_ops, edit, caplog):
+    """The op takes the architecture from the config: a model whose activation
+    or LayerNorms were replaced or changed runs layer by layer (one log line
+    says why), giving the reference's tokens, not the config's."""
+    config = dataclasses.replace(NARROW, stage_norm="layernorm") if edit is _edit_stage_norm_eps else NARROW
+    native_model = VisualTokenizer(config, seed=0, backend="native").eval()
+    reference_model = VisualTokenizer(config, seed=0, backend="reference").eval()
+    for model in (native_model, reference_model):
+        with torch.no_grad():  # away from 1 and 0, so that a norm without them differs
+            model.token_norm.weight.copy_(torch.linspace(0.5, 1.5, config.embed_dim))
+            model.token_norm.bias.copy_(torch.linspace(-0.3, 0.3, config.embed_dim))
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    with torch.inference_mode():
+        unedited = native_model(images)
+        edit(native_model)
+        edit(reference_model)
+        with caplog.at_level("WARNING", logger="lumenbridge"):
+            tokens = native_model(images)
+        want = reference_model(images)
+    assert native_model.edited_module() is not None
+    assert "runs layer by layer" in caplog.text
+    torch.testing.assert_close(tokens, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(tokens, unedited, rtol=1e-3, atol=1e-3)
+
+
+def test_a_convolution_without_bias_is_a_clear_error(native_ops):
+    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    model.stages[1].dw.bias = None
+    with pytest.raises(ValueError, match="stage 1 has a convolution without a bias"):
+        model(torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8))
+
+
 def test_import_registers_every_op_of_a_built_extension(native_ops):
     """A fresh process that imports torch, then lumenbridge, finds the ops with
     their fakes: tracing tokenize under FakeTensorMode needs the Python fake."""

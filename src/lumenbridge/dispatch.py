@@ -45,6 +45,8 @@ DEFAULTS = {
 # Device types whose default already fell back to the reference, so the
 # reason is logged once rather than on every call.
 _fallbacks_logged: set[str] = set()
+# Why calls of the native backend ran layer by layer, each logged once.
+_layer_reasons_logged: set[str] = set()
 
 
 class Backend:
@@ -94,8 +96,12 @@ class NativeBackend(Backend):
     name = "native"
 
     def tokenize(self, images, model):
-        if self.layer_reason(images, model) is None:
+        reason = self.layer_reason(images, model)
+        if reason is None:
             return native.tokenize(images, model)
+        if reason not in _layer_reasons_logged and not torch.compiler.is_compiling():
+            _layer_reasons_logged.add(reason)
+            log.warning("LumenBridge: this model runs layer by layer, not as one op: %s", reason)
         return super().tokenize(images, model)
 
     @staticmethod
@@ -103,7 +109,7 @@ class NativeBackend(Backend):
         """Why this call cannot use the one op, or None when it can."""
         if model.config.stage_norm == "batchnorm" and model.training:
             return "BatchNorm in training mode needs batch statistics"
-        return None
+        return model.edited_module()
 
     def tokenize_path(self, device_type: str, config, dtype: torch.dtype) -> str:
         return native.tokenize_path(device_type, config, dtype)

@@ -26,8 +26,24 @@ class LayerNorm2d(nn.LayerNorm):
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
+# The module of each config activation (nn.GELU's default is the erf form).
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "none": nn.Identity}
+
+
 def _make_activation(name: str) -> nn.Module:
-    return {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "none": nn.Identity}[name]()
+    return ACTIVATIONS[name]()
+
+
+def _is_config_layer_norm(module: nn.Module, kind: type) -> bool:
+    """Whether module is still the LayerNorm the config describes: of `kind`,
+    NORM_EPS, with a weight and a bias."""
+    return (
+        isinstance(module, kind)
+        and module.eps == NORM_EPS
+        and module.elementwise_affine
+        # The table first: nn.Module's attribute lookup costs about a microsecond.
+        and (module._parameters.get("bias") is not None or getattr(module, "bias", None) is not None)
+    )
 
 
 def _make_stage_norm(name: str, channels: int) -> nn.Module:
@@ -189,6 +205,23 @@ class VisualTokenizer(nn.Module):
             if index != last:
                 x = self.act(x)
         return x
+
+    def edited_module(self) -> str | None:
+        """Which module no longer computes what the config says (an activation
+        or LayerNorm replaced, an eps changed), or None. The native op takes the
+        architecture from the config, so such a model runs layer by layer."""
+        cfg = self.config
+        act = self._modules["act"]
+        if type(act) is not ACTIVATIONS[cfg.activation] or act.__dict__.get("approximate", "none") != "none":
+            return f"act is {act!r}, not the config's activation {cfg.activation!r}"
+        token_norm = self._modules["token_norm"]
+        if not (_is_config_layer_norm(token_norm, nn.LayerNorm) if cfg.token_norm else type(token_norm) is nn.Identity):
+            return f"token_norm is {token_norm!r}, not the config's"
+        if cfg.stage_norm == "layernorm":
+            for index, stage in enumerate(self._modules["stages"]):
+                if not _is_config_layer_norm(stage.norm, LayerNorm2d):
+                    return f"stage {index}'s norm is {stage.norm!r}, not the config's"
+        return None
 
     def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:
         """The tokens of already checked images, layer by layer, each convolution

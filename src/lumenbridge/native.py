@@ -269,6 +269,11 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
         dw_biases.append(parameter(dw, "bias"))
         pw_weights.append(parameter(pw, "weight"))
         pw_biases.append(parameter(pw, "bias"))
+        if dw_biases[-1] is None or pw_biases[-1] is None:
+            raise ValueError(
+                f"stage {len(dw_biases) - 1} has a convolution without a bias, which the native op needs "
+                "(the architecture has them); use backend='reference' for such a model"
+            )
     if images.dtype != torch.uint8:
         images = images.to(dw_weights[0].dtype)
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)

@@ -196,10 +196,14 @@ def save_checkpoint(folder: Path, epoch: int, model: TextureClassifier, training
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"epoch-{epoch}"
     staging = folder / f".epoch-{epoch}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    for abandoned in folder.glob(".epoch-*.partial-*"):  # left by runs killed while saving
+        shutil.rmtree(abandoned, ignore_errors=True)
     model.tokenizer.save_pretrained(staging / "tokenizer")
     safetensors.torch.save_file(model.rest_state_dict(), staging / "classifier.safetensors")
     torch.save({"epoch": epoch, **training.state_dict()}, staging / "training.pt")
+    for name in ("classifier.safetensors", "training.pt"):  # on disk before the older epoch goes
+        with open(staging / name, "rb") as file:
+            os.fsync(file.fileno())
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     for older in epoch_folders(folder)[:-1]:

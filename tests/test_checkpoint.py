@@ -55,6 +55,20 @@ def test_save_replaces_an_older_checkpoint(saved, tmp_path):
     assert not any(p.name.endswith(".tmp") for p in directory.iterdir())
 
 
+def test_a_save_killed_between_its_two_files_loads_what_it_wrote(saved):
+    """Over a checkpoint of another architecture, a save that replaced
+    model.safetensors but died before config.json still loads: the weights
+    carry their own config, and loading prefers it."""
+    _, directory = saved
+    older_config = (directory / "config.json").read_text()
+    wider = VisualTokenizer(dataclasses.replace(SMALL, stage_widths=(16, 16, 24, 32)), seed=1)
+    wider.save_pretrained(directory)
+    (directory / "config.json").write_text(older_config)  # as if killed between the two renames
+    loaded = VisualTokenizer.from_pretrained(directory)
+    assert loaded.config == wider.config
+    assert torch.equal(loaded.stages[0].pw.weight, wider.stages[0].pw.weight)
+
+
 def _rewrite(directory, edit):
     tensors = safetensors.torch.load_file(directory / "model.safetensors")
     edit(tensors)

@@ -47,7 +47,10 @@ def test_train_classifier_checkpoints_each_epoch_and_resumes_exactly(tmp_path, n
     main.__globals__["train_epoch"] = train_epoch
     with pytest.raises(SystemExit, match="already holds a checkpoint"):
         main([*common, "--checkpoint", str(tmp_path / "resumed")])
+    abandoned = tmp_path / "resumed" / ".epoch-2.partial-999999"  # a save killed midway, in another process
+    (abandoned / "tokenizer").mkdir(parents=True)
     resumed = main([*common, "--checkpoint", str(tmp_path / "resumed"), "--resume"])
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == ["epoch-2"]
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert resumed.accuracy == straight.accuracy

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 from lumenbridge import TokenizerConfig, VisualTokenizer
@@ -85,6 +86,42 @@ def test_save_and_load_in_the_hugging_face_layout_through_the_auto_classes(tmp_p
     images = torch.randint(0, 256, (2, 3, 32, 48), dtype=torch.uint8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(images).last_hidden_state, model(images).last_hidden_state, rtol=0, atol=0)
+
+
+def test_the_keywords_of_a_vision_tower():
+    model = LumenBridgeVisionModel(small_config()).eval()
+    images = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        tokens = model(images).last_hidden_state
+        output = model(pixel_values=images, output_hidden_states=True, output_attentions=False)
+        assert len(output.hidden_states) == 1 and torch.equal(output.hidden_states[0], tokens)
+        plain = model(images, return_dict=False)
+    assert isinstance(plain, tuple) and torch.equal(plain[0], tokens)
+
+
+def test_weights_a_checkpoint_lacks_get_pytorch_initialization(tmp_path):
+    """transformers allocates a loaded model's modules uninitialized: a weight
+    the checkpoint lacks must still be initialized, not left as garbage."""
+    LumenBridgeVisionModel(small_config()).save_pretrained(tmp_path)
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    tensors = {name: t for name, t in tensors.items() if not name.startswith("tokenizer.token_norm.")}
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = LumenBridgeVisionModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.tokenizer.token_norm.weight, torch.ones(32))
+    assert torch.equal(loaded.tokenizer.token_norm.bias, torch.zeros(32))
+
+
+def test_a_visual_tokenizer_checkpoint_loads_as_the_hugging_face_model(tmp_path):
+    """VisualTokenizer.save_pretrained writes the same two file names; its
+    tensors are the HF model's own, without the `tokenizer.` prefix."""
+    tokenizer = VisualTokenizer(SMALL, seed=3).eval()
+    tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "lumenbridge"}))
+    loaded = LumenBridgeVisionModel.from_pretrained(tmp_path).eval()
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images).last_hidden_state, tokenizer(images), rtol=0, atol=0)
 
 
 def test_new_models_keep_pytorch_initialization():

@@ -428,3 +428,16 @@ def test_sample_cases_cover_what_the_issue_lists():
         c.batch * -(-c.size[0] // 32) * -(-c.size[1] // 32) for c in CASES if c.config.strides[:2] == (2, 2)
     )
     assert first_tiles > 2 * 132
+
+
+def test_meta_and_cpu_tensors_in_one_call_are_refused(native_ops):
+    """A 'meta' argument sends the call to the fake kernels, which check the
+    devices as the gateway does rather than return an uninitialized tensor."""
+    model = VisualTokenizer(NARROW, seed=0).eval()
+    args = list(native.tokenize_arguments(torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8), model))
+    args[0] = args[0].to("meta")
+    with pytest.raises(RuntimeError, match="LumenBridge: .*all tensors must be on the same device"):
+        torch.ops.lumenbridge.tokenize(*args)
+    weight = torch.randn(4, 1, 3, 3)
+    with pytest.raises(RuntimeError, match="all tensors must be on the same device"):
+        torch.ops.lumenbridge.depthwise_conv2d(torch.randn(1, 4, 8, 8, device="meta"), weight, None, 2)

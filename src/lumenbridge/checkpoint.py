@@ -1,7 +1,10 @@
 """Checkpoints: config.json plus model.safetensors in one directory. No pickle.
 
 Each file is written to a temporary name, flushed and renamed into place, so a
-failure midway never leaves a half-written file or damages an older one."""
+failure midway never leaves a half-written file. model.safetensors also holds
+the config in its metadata, and loading prefers that copy: a save killed
+between the two renames, over a checkpoint of another architecture, still loads
+the weights it wrote, with their own config."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# The metadata key of the config that model.safetensors carries.
+CONFIG_METADATA = "lumenbridge_config"
 
 
 def save(model: VisualTokenizer, directory: str | Path) -> None:
@@ -25,7 +30,8 @@ def save(model: VisualTokenizer, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-    write_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path))
+    metadata = {CONFIG_METADATA: model.config.to_json()}
+    write_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path, metadata))
     write_atomically(directory / CONFIG_NAME, lambda path: Path(path).write_text(model.config.to_json() + "\n"))
 
 
@@ -36,6 +42,12 @@ def _require(path: Path) -> Path:
 
 
 def read_config(directory: str | Path) -> TokenizerConfig:
+    weights = Path(directory) / WEIGHTS_NAME
+    if weights.is_file():
+        with safetensors.safe_open(weights, "pt") as file:
+            stored = (file.metadata() or {}).get(CONFIG_METADATA)
+        if stored is not None:
+            return TokenizerConfig.from_json(stored)
     return TokenizerConfig.from_json(_require(Path(directory) / CONFIG_NAME).read_text())
 
 

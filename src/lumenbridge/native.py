@@ -21,6 +21,7 @@ ops = torch.ops.lumenbridge
 
 
 def _depthwise_conv2d_fake(input, weight, bias, stride):
+    _check_one_device(input, weight, bias)
     k = weight.shape[-1]
     n, c, h, w = input.shape
     shape = (n, c, output_extent(h, k, stride), output_extent(w, k, stride))
@@ -28,14 +29,29 @@ def _depthwise_conv2d_fake(input, weight, bias, stride):
 
 
 def _depthwise_conv2d_backward_input_fake(grad_output, weight, stride, input_size):
+    _check_one_device(grad_output, weight)
     n, c = grad_output.shape[:2]
     shape = (n, c, *input_size)
     return grad_output.new_empty(shape).contiguous(memory_format=memory_format_of(grad_output))
 
 
 def _depthwise_conv2d_backward_weight_fake(grad_output, input, kernel_size, stride):
+    _check_one_device(grad_output, input)
     c = input.shape[1]
     return input.new_empty((c, 1, kernel_size, kernel_size)), input.new_empty((c,))
+
+
+def _check_one_device(*arguments) -> None:
+    """The gateway's device check, in the fake kernels: any argument on 'meta'
+    sends a call to them, so a call mixing 'meta' and CPU tensors would
+    otherwise return an uninitialized tensor instead of the gateway's error.
+    Arguments are tensors, lists of them or None."""
+    devices = {t.device for a in arguments for t in (a if isinstance(a, (list, tuple)) else [a]) if t is not None}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"LumenBridge: the tensors are on {', '.join(sorted(map(str, devices)))}; "
+            "all tensors must be on the same device"
+        )
 
 
 def _tokenize_fake(
@@ -57,6 +73,17 @@ def _tokenize_fake(
     padded_size,
     output_fmt,
 ):
+    _check_one_device(
+        images,
+        dw_weights,
+        dw_biases,
+        pw_weights,
+        pw_biases,
+        norm_weights,
+        norm_biases,
+        token_norm_weight,
+        token_norm_bias,
+    )
     k = dw_weights[0].shape[-1]
     n, d = images.shape[0], pw_weights[-1].shape[0]
     h, w = (grid_extent(extent, k, strides) for extent in padded_size)
@@ -104,6 +131,20 @@ def _tokenize_backward_fake(
     saved_outputs,
     output_mask,
 ):
+    _check_one_device(
+        grad_tokens,
+        images,
+        dw_weights,
+        dw_biases,
+        pw_weights,
+        pw_biases,
+        norm_weights,
+        norm_biases,
+        token_norm_weight,
+        token_norm_bias,
+        saved_rows,
+        saved_outputs,
+    )
     images_grad, parameters_grad = output_mask
 
     def like(tensors):

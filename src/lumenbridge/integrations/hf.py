@@ -59,10 +59,13 @@ class LumenBridgeVisionConfig(PretrainedConfig):
 
 
 class LumenBridgeVisionModel(PreTrainedModel):
-    """pixel_values [B, C, H, W] in, BaseModelOutput with last_hidden_state [B, N, D] out."""
+    """pixel_values [B, C, H, W] in, BaseModelOutput with last_hidden_state [B, N, D] out.
+    It takes a vision tower's usual keywords: with output_hidden_states, hidden_states
+    holds the tokens alone (the tokenizer has no transformer layers); return_dict=False
+    gives a tuple; others (output_attentions, say) are accepted and ignored."""
 
     config_class = LumenBridgeVisionConfig
-    base_model_prefix = "lumenbridge"
+    base_model_prefix = "tokenizer"  # the attribute that holds the VisualTokenizer
     main_input_name = "pixel_values"
 
     def __init__(self, config: LumenBridgeVisionConfig):
@@ -71,16 +74,29 @@ class LumenBridgeVisionModel(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        # Keep each layer's PyTorch initialization (what the tokenizer is designed to train
-        # from) rather than transformers' generic normal(0, 0.02); only the normalization
-        # buffers, which are not in the checkpoint, are (re)computed here.
+        # Each layer's PyTorch initialization (what the tokenizer is designed to train
+        # from), not transformers' generic normal(0, 0.02). from_pretrained allocates
+        # the modules uninitialized and calls this for those the checkpoint lacks, and
+        # for the normalization buffers, which no checkpoint holds.
+        if isinstance(module, (nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d)):
+            module.reset_parameters()
         if isinstance(module, VisualTokenizer):
             mean, std = pixel_statistics(module.config)
             module.pixel_mean.copy_(mean)
             module.pixel_std.copy_(std)
 
-    def forward(self, pixel_values: torch.Tensor) -> BaseModelOutput:
-        return BaseModelOutput(last_hidden_state=self.tokenizer(pixel_values))
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput | tuple:
+        tokens = self.tokenizer(pixel_values)
+        hidden_states = (tokens,) if output_hidden_states else None
+        if return_dict is False:
+            return (tokens,) if hidden_states is None else (tokens, hidden_states)
+        return BaseModelOutput(last_hidden_state=tokens, hidden_states=hidden_states)
 
 
 AutoConfig.register(LumenBridgeVisionConfig.model_type, LumenBridgeVisionConfig, exist_ok=True)

@@ -72,8 +72,22 @@ def test_out_that_is_an_input_is_refused_even_with_overwrite(tmp_path, two_pngs,
         out.symlink_to(a)
     before = Path(a).read_bytes()
     assert tokenize(a, "--out", out, "--overwrite") == 2
-    assert "is one of the input images" in capsys.readouterr().err
+    assert "is one of the inputs" in capsys.readouterr().err
     assert Path(a).read_bytes() == before
+
+
+def test_out_that_is_a_file_list_is_refused_and_a_missing_entry_is_no_obstacle(tmp_path, two_pngs, capsys):
+    a, _ = two_pngs
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{a}\n{tmp_path / 'missing.png'}\n")
+    before = listed.read_bytes()
+    assert tokenize(listed, "--out", listed, "--overwrite") == 2
+    assert "is one of the inputs" in capsys.readouterr().err
+    assert listed.read_bytes() == before
+    out = tmp_path / "tokens.safetensors"
+    assert tokenize(a, "--out", out) == 0
+    assert tokenize(listed, "--out", out) == 1  # replaces its own tokens file; the missing entry is skipped
+    assert read_tokens(out)[0].shape[0] == 1
 
 
 def test_overwrite_replaces_another_file_and_keeps_its_permissions(tmp_path, two_pngs):
@@ -345,7 +359,10 @@ def test_a_bad_image_size_names_the_command_line_flag(tmp_path, two_pngs, capsys
         cli.main(["tokenize", *two_pngs, "--out", str(tmp_path / "t.safetensors"), *FAST, "--image-size", "100"]) == 2
     )
     err = capsys.readouterr().err
-    assert "--image-size 100: must be a multiple of the model's total stride 16; try --image-size 96 or 112" in err
+    assert (
+        "--image-size 100: must be a positive multiple of the model's total stride 16; try --image-size 96 or 112"
+        in err
+    )
     assert "dynamic_pad" not in err
 
 

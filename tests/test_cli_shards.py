@@ -394,6 +394,45 @@ def test_options_that_need_one_file_or_a_folder(tmp_path, images, monkeypatch, c
     assert "under torchrun, --out must be a folder" in capsys.readouterr().err
 
 
+def test_options_of_sharded_output_are_refused_with_one_file(tmp_path, images, capsys):
+    for option in (["--report", str(tmp_path / "r.json")], ["--shard-size", "5"], ["--allow-mixed"]):
+        assert tokenize(*images, "--out", tmp_path / "t.safetensors", *option) == 2
+        assert f"{option[0]} apply to sharded output" in capsys.readouterr().err
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+@pytest.mark.parametrize("where", ["missing folder", "inside DIR", "a folder"])
+def test_a_bad_report_path_fails_before_any_work(tmp_path, images, monkeypatch, capsys, where):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before --report was checked"))
+    out = tmp_path / "out"
+    report = {"missing folder": tmp_path / "nope" / "r.json", "inside DIR": out / "r.json", "a folder": tmp_path}[where]
+    assert tokenize(*images, "--out", out, "--report", report) == 2
+    assert f"--report {report}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_same_command_with_a_report_runs_twice(tmp_path, images):
+    command = [*images, "--out", tmp_path / "out", "--report", tmp_path / "report.json"]
+    assert tokenize(*command) == 0
+    assert tokenize(*command) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["images"] == 12
+
+
+def test_a_usage_error_leaves_no_new_folder(tmp_path, images, capsys):
+    assert tokenize(*images, "--out", tmp_path / "out", "--background", "not-a-colour") == 2
+    assert "not-a-colour" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_with_no_readable_image_exits_2_and_says_why(tmp_path, capsys):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(b"not an image")
+    assert tokenize(folder, "--out", tmp_path / "out") == 2
+    assert "none of the 1 images could be read" in capsys.readouterr().err
+    assert [Path(entry["key"]).name for entry in errors_of(tmp_path / "out")] == ["a.jpg"]
+
+
 def test_reading_an_incomplete_run_says_so(tmp_path, images):
     out = tmp_path / "out"
     assert tokenize(*images, "--out", out, "--shard-size", "5") == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -66,7 +67,7 @@ index once every rank is done. Read it back with lumenbridge.read_tokens(DIR).
 'paths' (JSON list: the absolute path of each row's source, in order),
 'config', 'weights' and 'preprocess', written atomically: a failed run never
 leaves a partial file or replaces an existing one. --out never names an
-input image, and replaces an existing file only if it is a LumenBridge tokens
+input (an image or a file list), and replaces an existing file only if it is a LumenBridge tokens
 file or --overwrite is given; a symlink is followed (the file it points to is
 replaced). The new file keeps the permissions of the one it replaces.
 
@@ -90,13 +91,19 @@ exit codes:
        (each is named on stderr with the reason, and in DIR/errors.jsonl)
   2    usage error (a refused --out included), no image could be read, or the
        output could not be written; no output is written and an existing
-       --out file is left as it was
+       --out file is left as it was (with --out DIR, finished shards stay, and
+       DIR/errors.jsonl when no image could be read)
   3    an unexpected error stopped the run (traceback on stderr); no output
        is written and an existing --out file is left as it was
   130  interrupted (Ctrl-C); the output is written only if it was complete
        (with --out DIR, finished shards stay: run the command again to resume)
   141  standard output was closed early (e.g. piped into head)
 """
+
+
+DEFAULT_SHARD_SIZE = 10_000
+# Options of --out DIR (their argparse names); one file refuses them.
+SHARDED_ONLY = {"--shard-size": "shard_size", "--report": "report", "--allow-mixed": "allow_mixed"}
 
 
 class UsageError(Exception):
@@ -224,6 +231,15 @@ def is_tokens_file(path: str) -> bool:
         return False
 
 
+def _is_file(identity: os.stat_result, path: str) -> bool:
+    """Whether path is the file of `identity`; a missing input is not (a list's
+    missing entry is skipped later, like an unreadable image)."""
+    try:
+        return os.path.samestat(identity, os.stat(path))
+    except OSError:
+        return False
+
+
 def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:
     """Fails early, before any image is decoded, if the output could not or
     should not be written where asked. A symlink is judged by its target,
@@ -238,8 +254,8 @@ def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None
         identity = os.stat(target)
         if not stat.S_ISREG(identity.st_mode):
             raise UsageError(f"--out {path} exists and is not a regular file")
-        if any(os.path.samestat(identity, os.stat(image)) for image in inputs):
-            raise UsageError(f"--out {path} is one of the input images")
+        if any(_is_file(identity, image) for image in inputs):
+            raise UsageError(f"--out {path} is one of the inputs")
         if not overwrite and not is_tokens_file(target):
             raise UsageError(
                 f"--out {path} exists and is not a LumenBridge tokens file; pass --overwrite to replace it"
@@ -293,9 +309,9 @@ def preprocessing_sizes(args: argparse.Namespace, model: lumenbridge.VisualToken
         model.feature_size(image_size, image_size)
     except ValueError as error:
         step = model.config.total_stride
-        nearby = [size for size in (image_size // step * step, (image_size // step + 1) * step) if size >= step]
+        nearby = sorted({max(step, image_size // step * step), max(step, (image_size // step + 1) * step)})
         raise UsageError(
-            f"--image-size {image_size}: must be a multiple of the model's total stride {step}; "
+            f"--image-size {image_size}: must be a positive multiple of the model's total stride {step}; "
             f"try --image-size {' or '.join(map(str, nearby))}"
         ) from error
     try:
@@ -406,7 +422,7 @@ def check_common(args: argparse.Namespace) -> None:
         raise UsageError(f"--workers must be zero or more, got {args.workers}")
     if args.max_pixels < 1:
         raise UsageError(f"--max-pixels must be positive, got {args.max_pixels}")
-    if args.shard_size < 1:
+    if args.shard_size is not None and args.shard_size < 1:
         raise UsageError(f"--shard-size must be positive, got {args.shard_size}")
     if args.weights is not None and (args.preset is not None or args.seed is not None):
         raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
@@ -434,8 +450,12 @@ def run_tokenize(args: argparse.Namespace) -> int:
         check_max_tokens(args)
         if args.decode != "cpu":
             raise UsageError("--decode gpu writes sharded output: use --out DIR")
+        given = [flag for flag, value in SHARDED_ONLY.items() if getattr(args, value) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to sharded output: use --out DIR")
         paths = input_paths(args.paths)
-        check_output_path(args.out, paths, args.overwrite)
+        named_files = [path for path in args.paths if os.path.isfile(path)]  # file lists are inputs too
+        check_output_path(args.out, [*paths, *named_files], args.overwrite)
         device = resolve_device(args.device)
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
@@ -486,6 +506,8 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
     from lumenbridge import pipeline, shards
     from lumenbridge.distributed import rank_device
 
+    created = not os.path.exists(args.out)
+
     def fail(error: Exception) -> int:
         if group.main:
             print(f"lumenbridge: error: {error}", file=sys.stderr)
@@ -499,23 +521,31 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         inputs = group.from_main(lambda: expanded_inputs(args.paths))
 
         def check_out() -> None:
+            if args.report is not None:
+                check_report_path(args.report, args.out)
             shards.create_output_dir(args.out)
             shards.check_output_dir(args.out)
 
         group.from_main(check_out)
+    except (UsageError, OutputError) as error:
+        return fail(error)
+    try:
         device = rank_device(resolve_device(args.device), group)
         if args.decode == "gpu":
             check_gpu_decode(device)
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
     except (UsageError, OutputError) as error:
+        if created and group.main:
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
         return fail(error)
 
     dtype = TOKEN_DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype).eval()
     options = pipeline.Options(
         out=args.out,
-        shard_size=args.shard_size,
+        shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
         batch_size=args.batch_size,
         workers=default_workers(group) if args.workers is None else args.workers,
         decode=args.decode,
@@ -550,7 +580,18 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         return EXIT_OK
     print_sharded_summary(result, args.out, device, backend, dtype_name)
     if args.report is not None:
-        write_report(args.report, result, device, backend, dtype_name)
+        try:
+            write_report(args.report, result, device, backend, dtype_name)
+        except OSError as error:
+            print(f"lumenbridge: error: the shards are complete, but --report {args.report}: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    if result.images == 0 and result.skipped:
+        print(
+            f"lumenbridge: error: none of the {result.skipped} images could be read; listed in "
+            f"{os.path.join(args.out, shards.ERRORS)}",
+            file=sys.stderr,
+        )
+        return EXIT_OK if group.distributed else EXIT_USAGE
     if result.skipped:
         print(
             f"skipped {result.skipped} images that could not be read; listed in "
@@ -609,6 +650,25 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
     print(f"index: {os.path.join(out, 'index.jsonl')}")
 
 
+def check_report_path(report: str, out: str) -> None:
+    """--report must name a file that can be written, outside DIR (where the
+    next run of the same command would take it for a foreign file)."""
+    target = os.path.realpath(report)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise UsageError(f"--report {report} is a folder")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--report {report}: folder {folder} does not exist")
+    out = os.path.realpath(out)
+    if os.path.commonpath([folder, out]) == out:
+        raise UsageError(f"--report {report} is inside --out {out}; write it elsewhere")
+    try:
+        with staging_folder(folder):
+            pass
+    except OSError as error:
+        raise UsageError(f"--report {report}: cannot write in {folder}: {error.strerror}") from error
+
+
 def write_report(path: str, result, device, backend: str, dtype: str) -> None:
     report = {**summary_numbers(result), "device": str(device), "backend": backend, "dtype": dtype}
     write_atomically(path, lambda staged: Path(staged).write_text(json.dumps(report, indent=2) + "\n"))
@@ -657,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tokenize = commands.add_parser(
         "tokenize",
-        help="tokenize images into one safetensors file",
+        help="tokenize images into a folder of shards or one safetensors file",
         description=TOKENIZE_HELP,
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -681,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
         "different run's shards there and start again",
     )
     tokenize.add_argument(
-        "--shard-size", type=int, default=10_000, metavar="N", help="images per shard with --out DIR (default: 10000)"
+        "--shard-size", type=int, metavar="N", help=f"images per shard with --out DIR (default: {DEFAULT_SHARD_SIZE})"
     )
     tokenize.add_argument(
         "--decode",
@@ -697,7 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens may then differ from an uninterrupted run in the last bits)",
     )
     tokenize.add_argument(
-        "--report", metavar="FILE", help="also write the end-of-run summary as JSON to FILE (--out DIR)"
+        "--report",
+        metavar="FILE",
+        help="also write the end-of-run summary as JSON to FILE (--out DIR; FILE outside DIR)",
     )
     tokenize.add_argument("--weights", metavar="DIR", help="checkpoint folder written by save_pretrained")
     tokenize.add_argument(

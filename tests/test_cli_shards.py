@@ -375,6 +375,20 @@ def test_a_different_batch_size_continues_only_with_allow_mixed(tmp_path, images
     assert tokenize(*images, "--out", out, "--batch-size", "3", "--allow-mixed") == 0
 
 
+def test_another_cpu_thread_count_continues_only_with_allow_mixed(tmp_path, images, capsys):
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert tokenize(*images, "--out", out) == 0
+        torch.set_num_threads(2)
+        assert tokenize(*images, "--out", out) == 2
+        assert "cpu_threads: DIR has 1, this command 2" in capsys.readouterr().err
+        assert tokenize(*images, "--out", out, "--allow-mixed") == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_an_unwritable_folder_fails_before_any_work(tmp_path, images, monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the output was checked"))
     monkeypatch.setattr(shards, "create_output_dir", lambda path: (_ for _ in ()).throw(shards.OutputError("no room")))

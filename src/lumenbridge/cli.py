@@ -753,7 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument(
         "--allow-mixed",
         action="store_true",
-        help="continue a DIR whose shards were made with another --batch-size or device type (the new shards' "
+        help="continue a DIR whose shards were made with another --batch-size, device type or number of CPU "
+        "threads (the new shards' "
         "tokens may then differ from an uninterrupted run in the last bits)",
     )
     tokenize.add_argument(

@@ -671,6 +671,16 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
+def execution_settings(options: Options) -> dict:
+    """What may change the tokens' last bits without changing what they mean:
+    the batch size, the device type and, on the CPU, the threads of its
+    matrix products (torchrun starts each process with one)."""
+    settings = {"batch_size": options.batch_size, "device": options.device.type}
+    if options.device.type == "cpu":
+        settings["cpu_threads"] = torch.get_num_threads()
+    return settings
+
+
 def build_manifest(plan_digest: str, images: int, count: int, options: Options, model, weights: str, digest: str):
     import json
 
@@ -690,7 +700,7 @@ def build_manifest(plan_digest: str, images: int, count: int, options: Options, 
             "decode": options.decode,
         },
         "model": {"config": json.loads(model.config.to_json()), "weights": weights, "weights_digest": digest},
-        "execution": {"batch_size": options.batch_size, "device": options.device.type},
+        "execution": execution_settings(options),
     }
 
 

@@ -284,6 +284,21 @@ def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     torch.testing.assert_close(reader[good[2]], expected([images[2]])[0])
 
 
+def test_a_multi_part_image_extension_is_the_image_member(tmp_path, images):
+    """WebDataset samples such as pairs (key.left.jpg, key.right.jpg) or
+    numbered frames have no plain .jpg member: the first member whose
+    extension ends in an image extension is the image."""
+    path = tmp_path / "pairs.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, image in (("pair.right.txt", None), ("pair.left.jpg", images[1]), ("pair.right.jpg", images[4])):
+            data = b"caption" if image is None else Path(image).read_bytes()
+            info = tarfile.TarInfo(f"pairs/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (sample,) = scan_tar(str(path))
+    assert (sample.key, sample.member, sample.error) == ("pairs/pair", "pairs/pair.left.jpg", None)
+
+
 def test_tar_inputs_need_a_folder_output(tmp_path, images, capsys):
     make_tar(tmp_path / "d.tar", images[:2])
     assert tokenize(tmp_path / "d.tar", "--out", tmp_path / "t.safetensors") == 2

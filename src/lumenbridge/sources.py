@@ -202,11 +202,23 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (posixpath.join(folder, stem) if folder else stem), extension.lower()
 
 
-def _sample_of(tar_path: str, key: str, members: dict[str, tarfile.TarInfo], tar_size: int) -> Sample:
+def _image_member(members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+    """A sample's image member (members by extension, in member order): the
+    first of IMAGE_MEMBER_EXTENSIONS it has; failing that, the first member
+    whose multi-part extension ends in one of them (left.jpg, 000.png)."""
     for extension in IMAGE_MEMBER_EXTENSIONS:
-        info = members.get(extension)
-        if info is None:
-            continue
+        if extension in members:
+            return members[extension]
+    for extension in IMAGE_MEMBER_EXTENSIONS:
+        for name, info in members.items():
+            if name.rpartition(".")[2] == extension:
+                return info
+    return None
+
+
+def _sample_of(tar_path: str, key: str, members: dict[str, tarfile.TarInfo], tar_size: int) -> Sample:
+    info = _image_member(members)
+    if info is not None:
         if info.offset_data + info.size > tar_size:
             return Sample(key, tar_path, info.name, error="the tar ends inside this member (truncated tar)")
         return Sample(key, tar_path, info.name, info.offset_data, info.size)
@@ -219,7 +231,7 @@ def _sample_of(tar_path: str, key: str, members: dict[str, tarfile.TarInfo], tar
 def scan_tar(path: str) -> list[Sample]:
     """The samples of one WebDataset tar, in member order, reading only the
     member headers. A sample is the run of consecutive members sharing a key;
-    its image is the member with the first extension of IMAGE_MEMBER_EXTENSIONS.
+    its image member is _image_member's.
     Hidden members (._name) are ignored. A tar that cannot be read, or whose
     headers stop being readable part-way, adds one error sample (key: the
     tar's path and the byte offset) for what could not be listed."""

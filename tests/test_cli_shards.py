@@ -284,6 +284,25 @@ def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     torch.testing.assert_close(reader[good[2]], expected([images[2]])[0])
 
 
+def test_a_key_in_two_tars_is_noted_and_read_by_its_source(tmp_path, images, capsys):
+    first, second = tmp_path / "a" / "part.tar", tmp_path / "b" / "part.tar"
+    for path, chosen in ((first, images[:2]), (second, images[2:4])):
+        path.parent.mkdir()
+        make_tar(path, chosen)  # keys part/000000, part/000001 in both
+    out = tmp_path / "out"
+    assert tokenize(first, second, "--out", out) == 0
+    assert "note: 2 keys name more than one image (such as 'part/000000'" in capsys.readouterr().err
+    reader = lumenbridge.read_tokens(out)
+    assert "part/000000" in reader and len(reader) == 4
+    with pytest.raises(KeyError, match="names 2 images.*give source="):
+        reader["part/000000"]
+    want = expected([images[0], images[2]])
+    torch.testing.assert_close(reader.get("part/000000", source=str(first)), want[0])
+    torch.testing.assert_close(reader.get("part/000000", source=str(second)), want[1])
+    with pytest.raises(KeyError, match="was not tokenized from"):
+        reader.get("part/000000", source="elsewhere.tar")
+
+
 def test_a_multi_part_image_extension_is_the_image_member(tmp_path, images):
     """WebDataset samples such as pairs (key.left.jpg, key.right.jpg) or
     numbered frames have no plain .jpg member: the first member whose

@@ -658,6 +658,16 @@ class RunResult:
     wall: float
     world: int
     row_shape: list[int]
+    repeated_keys: dict[str, list[str]]  # a key that names several images (in several tars): their sources
+
+
+def repeated_keys(plan) -> dict[str, list[str]]:
+    """The keys of the plan that name more than one image, each with the
+    sources of its images (WebDataset keys are often unique only in their tar)."""
+    sources: dict[str, list[str]] = {}
+    for sample in plan:
+        sources.setdefault(sample.key, []).append(sample.source)
+    return {key: found for key, found in sources.items() if len(found) > 1}
 
 
 def weights_digest(model) -> str:
@@ -779,6 +789,7 @@ def run(
                 stats.wall,
                 group.world,
                 [],
+                {},
             )
         _maybe_kill("index", "run")
         rows, errors = shards.finish_run(options.out, count)
@@ -794,6 +805,7 @@ def run(
         time.perf_counter() - started,
         group.world,
         shape,
+        repeated_keys(plan),
     )
 
 

@@ -412,7 +412,8 @@ class TokenReader:
     Iterating yields (key, tokens [T, D], grid (rows, columns)) in index
     order, reading one row at a time from memory-mapped shards; reader[key]
     (or reader.get(key)) returns one image's tokens, and reader.record(key)
-    its index entry. len(reader) is the number of images tokenized.
+    its index entry (a key that names images in several tars takes their
+    source=). len(reader) is the number of images tokenized.
 
     A single file written with --out FILE.safetensors reads the same way,
     keyed by the images' paths."""
@@ -420,7 +421,7 @@ class TokenReader:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._open: dict[str, object] = {}
-        self._by_key: dict[str, dict] | None = None
+        self._by_key: dict[str, list[dict]] | None = None
         if os.path.isdir(self.path):
             if not is_output_dir(self.path):
                 raise FileNotFoundError(f"{self.path} is not a LumenBridge output folder (no {MANIFEST})")
@@ -468,27 +469,37 @@ class TokenReader:
         for record in self.records():
             yield TokenRecord(record["key"], self._tokens(record), tuple(record["grid"]))
 
-    def record(self, key: str) -> dict:
-        if self._by_key is None:
-            by_key = {}
-            for record in self.records():
-                by_key.setdefault(record["key"], record)  # a repeated key: the first one
-            self._by_key = by_key
-        return self._by_key[key]
+    def record(self, key: str, source: str | None = None) -> dict:
+        """The index entry of one image. A key that names several images (the
+        same WebDataset key in several tars) needs `source`, the tar's path, to
+        pick one; KeyError otherwise, naming the sources."""
+        found = [r for r in self._index()[key] if source is None or r["source"] == source]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise KeyError(f"{key!r} was not tokenized from {source!r}")
+        sources = ", ".join(sorted({r["source"] for r in found}))
+        raise KeyError(f"{key!r} names {len(found)} images, from {sources}: give source= to pick one")
 
-    def get(self, key: str) -> torch.Tensor:
-        """One image's tokens by key (KeyError if it was not tokenized); the
-        first call reads the whole index into a dict."""
-        return self._tokens(self.record(key))
+    def get(self, key: str, source: str | None = None) -> torch.Tensor:
+        """One image's tokens by key (and source, where a key names several
+        images); KeyError if it was not tokenized. The first call reads the
+        whole index into a dict."""
+        return self._tokens(self.record(key, source))
 
     __getitem__ = get
 
     def __contains__(self, key: str) -> bool:
-        try:
-            self.record(key)
-        except KeyError:
-            return False
-        return True
+        return key in self._index()
+
+    def _index(self) -> dict[str, list[dict]]:
+        """The index entries by key, read once."""
+        if self._by_key is None:
+            by_key: dict[str, list[dict]] = {}
+            for record in self.records():
+                by_key.setdefault(record["key"], []).append(record)
+            self._by_key = by_key
+        return self._by_key
 
 
 def _single_file_records(path: str) -> list[dict]:
@@ -508,14 +519,14 @@ def _single_file_records(path: str) -> list[dict]:
         grid_hw = handle.get_tensor("grid_hw").tolist()
         starts = handle.get_tensor("cu_seqlens").tolist()
         return [
-            {"key": key, "grid": grid, "tokens": lambda a=a, b=b: handle.get_slice("tokens")[a:b]}
+            {"key": key, "source": key, "grid": grid, "tokens": lambda a=a, b=b: handle.get_slice("tokens")[a:b]}
             for key, grid, a, b in zip(paths, grid_hw, starts, starts[1:], strict=False)
         ]
     config = TokenizerConfig.from_json(metadata["config"])
     size = json.loads(metadata.get("preprocess", "{}")).get("image_size", config.image_size)
     side = grid_extent(size, config.kernel_size, config.strides)
     return [
-        {"key": key, "grid": [side, side], "tokens": lambda row=row: handle.get_slice("tokens")[row]}
+        {"key": key, "source": key, "grid": [side, side], "tokens": lambda row=row: handle.get_slice("tokens")[row]}
         for row, key in enumerate(paths)
     ]
 

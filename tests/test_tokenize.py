@@ -136,6 +136,18 @@ def test_compile_fullgraph_and_export(device, native_ops):
         torch.testing.assert_close(exported.module()(images), expected, rtol=0, atol=0)
 
 
+def test_export_with_a_dynamic_image_size(native_ops):
+    """padded_size is SymInt[2]: one exported program takes other image sizes."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    side = torch.export.Dim("side", min=1, max=64)
+    height, width = 16 * side, 16 * torch.export.Dim("columns", min=1, max=64)
+    with torch.no_grad():
+        exported = torch.export.export(model, (torch.randn(2, 3, 32, 48),), dynamic_shapes=({2: height, 3: width},))
+        assert any("lumenbridge.tokenize" in str(node.target) for node in exported.graph.nodes)
+        images = torch.randn(2, 3, 64, 80)
+        torch.testing.assert_close(exported.module()(images), model(images), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
 def test_cuda_graph_capture_and_reduce_overhead(device, cuda_kernels):
     model = VisualTokenizer(BASE, seed=0).to(device, torch.bfloat16).eval()

@@ -65,7 +65,7 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
                                at::TensorList norm_weights, at::TensorList norm_biases,
                                const c10::optional<at::Tensor>& token_norm_weight,
                                const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                               at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+                               at::ArrayRef<double> mean, at::ArrayRef<double> std, c10::SymIntArrayRef padded_size,
                                c10::string_view output_fmt) {
     Result result = below_autograd(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, activation,
                                    stage_norm, norm_weights, norm_biases, token_norm_weight, token_norm_bias, eps,
@@ -129,7 +129,7 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
     const size_t parameters = 4 * stages + 2 * norms + token_norm_weight.defined() + token_norm_bias.defined();
     const bool parameters_grad = ctx->needs_input_grad({{1, 1 + parameters}});
     const std::vector<int64_t> strides = ctx->saved_data["strides"].toIntVector();
-    const std::vector<int64_t> padded_size = ctx->saved_data["padded_size"].toIntVector();
+    const std::vector<c10::SymInt> padded_size = ctx->saved_data["padded_size"].toSymIntVector();
     const std::vector<double> mean = ctx->saved_data["mean"].toDoubleVector();
     const std::vector<double> std = ctx->saved_data["std"].toDoubleVector();
     const TokenizeBackwardResult computed = typed_op<TokenizeBackwardSignature, kTokenizeBackward>().call(
@@ -148,7 +148,7 @@ Result tokenize_autograd(const at::Tensor& images, at::TensorList dw_weights, at
                          c10::string_view activation, c10::string_view stage_norm, at::TensorList norm_weights,
                          at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
                          const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
-                         at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
+                         at::ArrayRef<double> std, c10::SymIntArrayRef padded_size, c10::string_view output_fmt) {
   using Function = TokenizeFunction<name, Result>;
   // Grad mode on and a tensor argument requiring grad, as PyTorch's own kernels decide.
   const bool records = torch::autograd::compute_requires_grad(

@@ -460,7 +460,7 @@ Result tokenize_autocast(const at::Tensor& images, at::TensorList dw_weights, at
                          c10::string_view activation, c10::string_view stage_norm, at::TensorList norm_weights,
                          at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
                          const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
-                         at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
+                         at::ArrayRef<double> std, c10::SymIntArrayRef padded_size, c10::string_view output_fmt) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
   std::vector<at::Tensor> parameters;
@@ -532,18 +532,18 @@ TORCH_LIBRARY(lumenbridge, m) {
       "tokenize(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
       "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
       "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> Tensor");
+      "float[] mean, float[] std, SymInt[2] padded_size, str output_fmt) -> Tensor");
   m.def(
       "tokenize_for_training(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
       "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
       "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-      "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> "
+      "float[] mean, float[] std, SymInt[2] padded_size, str output_fmt) -> "
       "(Tensor tokens, Tensor[] saved_rows, Tensor[] saved_outputs)");
   m.def(
       "tokenize_backward(Tensor grad_tokens, Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, "
       "Tensor[] pw_weights, Tensor[] pw_biases, int[] strides, str activation, str stage_norm, "
       "Tensor[] norm_weights, Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, "
-      "float eps, float[] mean, float[] std, int[2] padded_size, str output_fmt, Tensor[] saved_rows, "
+      "float eps, float[] mean, float[] std, SymInt[2] padded_size, str output_fmt, Tensor[] saved_rows, "
       "Tensor[] saved_outputs, "
       "bool[2] output_mask) -> "
       "(Tensor[] grad_images, Tensor[] grad_dw_weights, Tensor[] grad_dw_biases, Tensor[] grad_pw_weights, "

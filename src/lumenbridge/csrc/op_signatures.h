@@ -1,6 +1,8 @@
 // The C++ signatures of the tokenize ops (their schemas are in gateway.cpp),
 // for kernels that call an op again through the dispatcher: the gateway's
-// autocast kernels and the autograd kernels (autograd.cpp).
+// autocast kernels and the autograd kernels (autograd.cpp). padded_size is
+// symbolic (SymInt[2]) so that torch.export can keep the image size dynamic;
+// the device kernels take it as plain ints, which the dispatcher unpacks.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,7 +25,7 @@ using TokenizeSignature = Result(const at::Tensor& images, at::TensorList dw_wei
                                  at::TensorList norm_weights, at::TensorList norm_biases,
                                  const c10::optional<at::Tensor>& token_norm_weight,
                                  const c10::optional<at::Tensor>& token_norm_bias, double eps,
-                                 at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+                                 at::ArrayRef<double> mean, at::ArrayRef<double> std, c10::SymIntArrayRef padded_size,
                                  c10::string_view output_fmt);
 
 // grad_images (empty or one), then the gradients of dw_weights, dw_biases,
@@ -37,7 +39,7 @@ using TokenizeBackwardSignature = TokenizeBackwardResult(
     at::TensorList pw_weights, at::TensorList pw_biases, at::IntArrayRef strides, c10::string_view activation,
     c10::string_view stage_norm, at::TensorList norm_weights, at::TensorList norm_biases,
     const c10::optional<at::Tensor>& token_norm_weight, const c10::optional<at::Tensor>& token_norm_bias,
-    double eps, at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
+    double eps, at::ArrayRef<double> mean, at::ArrayRef<double> std, c10::SymIntArrayRef padded_size,
     c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
     std::array<bool, 2> output_mask);
 

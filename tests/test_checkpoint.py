@@ -90,6 +90,16 @@ def test_mismatched_checkpoints_name_the_tensor(saved, edit, message):
         VisualTokenizer.from_pretrained(directory)
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_corrupt_file_is_named(saved, name):
+    _, directory = saved
+    if name == "config.json":
+        (directory / "model.safetensors").unlink()  # the weights' copy of the config would be read first
+    (directory / name).write_bytes(b"{ not json")
+    with pytest.raises(ValueError, match=f"{name} is not a readable LumenBridge checkpoint file"):
+        VisualTokenizer.from_pretrained(directory)
+
+
 def test_missing_files_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         VisualTokenizer.from_pretrained(tmp_path)

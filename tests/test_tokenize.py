@@ -401,6 +401,8 @@ def _widen(tensors, index, tensor):
         (lambda a: {"eps": 0.0}, "eps must be positive"),
         (lambda a: {"mean": [1.0, 2.0]}, "one entry per image channel"),
         (lambda a: {"std": [1.0, 0.0, 1.0]}, "std entries must be positive"),
+        (lambda a: {"std": [1.0, float("inf"), 1.0]}, "std entries must be positive and finite"),
+        (lambda a: {"mean": [1.0, float("nan"), 1.0]}, "mean entries must be finite"),
         (lambda a: {"padded_size": [31, 32]}, "padded_size must be"),
         (lambda a: {"output_fmt": "NCL"}, "output_fmt must be one of NLC, NCHW, NHWC"),
         (lambda a: {"images": torch.randn(1, 3, 32, 32, dtype=torch.float64)}, "parameters' dtype"),

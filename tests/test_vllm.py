@@ -75,5 +75,6 @@ def test_bad_embeddings_are_clear_errors(packed):
         qwen2_vl_image_data(packed, torch.zeros(18, 48))
     with pytest.raises(ValueError, match=r"got shape \(1, 19, 48\)"):
         qwen2_vl_image_data(packed, torch.zeros(1, 19, 48))
-    with pytest.raises(ValueError, match="spatial_merge_size must be at least 1"):
-        qwen2_vl_image_data(packed, spatial_merge_size=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="spatial_merge_size must be an integer of at least 1"):
+            qwen2_vl_image_data(packed, spatial_merge_size=bad)

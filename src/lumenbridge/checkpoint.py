@@ -8,6 +8,7 @@ the weights it wrote, with their own config."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,20 +42,34 @@ def _require(path: Path) -> Path:
     return path
 
 
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"{path} is not a readable LumenBridge checkpoint file: {type(error).__name__}: {error}")
+
+
 def read_config(directory: str | Path) -> TokenizerConfig:
     weights = Path(directory) / WEIGHTS_NAME
     if weights.is_file():
-        with safetensors.safe_open(weights, "pt") as file:
-            stored = (file.metadata() or {}).get(CONFIG_METADATA)
+        try:
+            with safetensors.safe_open(weights, "pt") as file:
+                stored = (file.metadata() or {}).get(CONFIG_METADATA)
+        except safetensors.SafetensorError as error:
+            raise _unreadable(weights, error) from error
         if stored is not None:
             return TokenizerConfig.from_json(stored)
-    return TokenizerConfig.from_json(_require(Path(directory) / CONFIG_NAME).read_text())
+    path = _require(Path(directory) / CONFIG_NAME)
+    try:
+        return TokenizerConfig.from_json(path.read_text())
+    except json.JSONDecodeError as error:
+        raise _unreadable(path, error) from error
 
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
     """Load model.safetensors into model, naming any missing, unexpected or mis-shaped tensor."""
     path = _require(Path(directory) / WEIGHTS_NAME)
-    stored = safetensors.torch.load_file(path)
+    try:
+        stored = safetensors.torch.load_file(path)
+    except safetensors.SafetensorError as error:
+        raise _unreadable(path, error) from error
     expected = model.state_dict()
     problems = [f"missing tensor {name!r}" for name in expected if name not in stored]
     problems += [f"unexpected tensor {name!r}" for name in stored if name not in expected]

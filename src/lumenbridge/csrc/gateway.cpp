@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <atomic>
 
 #include "cast_together.h"
@@ -349,7 +350,11 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
               "LumenBridge: mean and std need one entry per image channel (", text(p.C), "), got ",
               text({static_cast<int64_t>(mean.size()), static_cast<int64_t>(std.size())}));
   for (double s : std) {
-    TORCH_CHECK(s > 0, "LumenBridge: std entries must be positive, got ", std::to_string(s));
+    TORCH_CHECK(std::isfinite(s) && s > 0, "LumenBridge: std entries must be positive and finite, got ",
+                std::to_string(s));
+  }
+  for (double m : mean) {
+    TORCH_CHECK(std::isfinite(m), "LumenBridge: mean entries must be finite, got ", std::to_string(m));
   }
   p.mean.assign(mean.begin(), mean.end());
   p.std.assign(std.begin(), std.end());

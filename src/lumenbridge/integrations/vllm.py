@@ -41,8 +41,8 @@ def qwen2_vl_image_data(
             f"image_embeds must be [{packed.tokens.shape[0]}, hidden size], one row per packed token; "
             f"got shape {tuple(embeds.shape)}"
         )
-    if spatial_merge_size < 1:
-        raise ValueError(f"spatial_merge_size must be at least 1, got {spatial_merge_size}")
+    if not isinstance(spatial_merge_size, int) or isinstance(spatial_merge_size, bool) or spatial_merge_size < 1:
+        raise ValueError(f"spatial_merge_size must be an integer of at least 1, got {spatial_merge_size!r}")
     grid = packed.grid_hw.cpu()
     frames = torch.ones(len(grid), 1, dtype=torch.int64)
     return {"image_embeds": embeds, "image_grid_thw": torch.cat((frames, grid * spatial_merge_size), dim=1)}

@@ -240,16 +240,31 @@ def _is_file(identity: os.stat_result, path: str) -> bool:
         return False
 
 
+def file_target(flag: str, path: str) -> tuple[str, str]:
+    """(file, folder) that `flag` (--out or --report) names, symlinks followed,
+    once the folder is known to exist."""
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise UsageError(f"{flag} {path} is a directory")
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
+    return target, directory
+
+
+def check_writable(flag: str, path: str, directory: str) -> None:
+    try:
+        with staging_folder(directory):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write in {directory}: {error.strerror}") from error
+
+
 def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:
     """Fails early, before any image is decoded, if the output could not or
     should not be written where asked. A symlink is judged by its target,
     which is what gets replaced."""
-    target = os.path.realpath(path)
-    directory = os.path.dirname(target)
-    if os.path.isdir(target):
-        raise UsageError(f"--out {path} is a directory")
-    if not os.path.isdir(directory):
-        raise UsageError(f"--out {path}: directory {directory} does not exist")
+    target, directory = file_target("--out", path)
     if os.path.exists(target):
         identity = os.stat(target)
         if not stat.S_ISREG(identity.st_mode):
@@ -260,11 +275,7 @@ def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None
             raise UsageError(
                 f"--out {path} exists and is not a LumenBridge tokens file; pass --overwrite to replace it"
             )
-    try:
-        with staging_folder(directory):
-            pass
-    except OSError as error:
-        raise UsageError(f"--out {path}: cannot write in {directory}: {error.strerror}") from error
+    check_writable("--out", path, directory)
 
 
 def expanded_inputs(paths: Sequence[str]) -> list:
@@ -660,20 +671,11 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
 def check_report_path(report: str, out: str) -> None:
     """--report must name a file that can be written, outside DIR (where the
     next run of the same command would take it for a foreign file)."""
-    target = os.path.realpath(report)
-    folder = os.path.dirname(target)
-    if os.path.isdir(target):
-        raise UsageError(f"--report {report} is a folder")
-    if not os.path.isdir(folder):
-        raise UsageError(f"--report {report}: folder {folder} does not exist")
+    _, folder = file_target("--report", report)
     out = os.path.realpath(out)
     if os.path.commonpath([folder, out]) == out:
         raise UsageError(f"--report {report} is inside --out {out}; write it elsewhere")
-    try:
-        with staging_folder(folder):
-            pass
-    except OSError as error:
-        raise UsageError(f"--report {report}: cannot write in {folder}: {error.strerror}") from error
+    check_writable("--report", report, folder)
 
 
 def write_report(path: str, result, device, backend: str, dtype: str) -> None:

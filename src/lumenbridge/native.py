@@ -21,7 +21,6 @@ ops = torch.ops.lumenbridge
 
 
 def _depthwise_conv2d_fake(input, weight, bias, stride):
-    _check_one_device(input, weight, bias)
     k = weight.shape[-1]
     n, c, h, w = input.shape
     shape = (n, c, output_extent(h, k, stride), output_extent(w, k, stride))
@@ -29,29 +28,33 @@ def _depthwise_conv2d_fake(input, weight, bias, stride):
 
 
 def _depthwise_conv2d_backward_input_fake(grad_output, weight, stride, input_size):
-    _check_one_device(grad_output, weight)
     n, c = grad_output.shape[:2]
     shape = (n, c, *input_size)
     return grad_output.new_empty(shape).contiguous(memory_format=memory_format_of(grad_output))
 
 
 def _depthwise_conv2d_backward_weight_fake(grad_output, input, kernel_size, stride):
-    _check_one_device(grad_output, input)
     c = input.shape[1]
     return input.new_empty((c, 1, kernel_size, kernel_size)), input.new_empty((c,))
 
 
-def _check_one_device(*arguments) -> None:
-    """The gateway's device check, in the fake kernels: any argument on 'meta'
-    sends a call to them, so a call mixing 'meta' and CPU tensors would
-    otherwise return an uninitialized tensor instead of the gateway's error.
-    Arguments are tensors, lists of them or None."""
-    devices = {t.device for a in arguments for t in (a if isinstance(a, (list, tuple)) else [a]) if t is not None}
-    if len(devices) > 1:
-        raise RuntimeError(
-            f"LumenBridge: the tensors are on {', '.join(sorted(map(str, devices)))}; "
-            "all tensors must be on the same device"
-        )
+def _on_one_device(fake):
+    """fake, first checking the devices as the gateway does: any argument on
+    'meta' sends a call to the fakes, so a call mixing 'meta' and CPU tensors
+    would otherwise return an uninitialized tensor instead of its error."""
+
+    @functools.wraps(fake)
+    def checked(*arguments):
+        tensors = [t for a in arguments for t in (a if isinstance(a, (list, tuple)) else [a])]
+        devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"LumenBridge: the tensors are on {', '.join(sorted(map(str, devices)))}; "
+                "all tensors must be on the same device"
+            )
+        return fake(*arguments)
+
+    return checked
 
 
 def _tokenize_fake(
@@ -73,17 +76,6 @@ def _tokenize_fake(
     padded_size,
     output_fmt,
 ):
-    _check_one_device(
-        images,
-        dw_weights,
-        dw_biases,
-        pw_weights,
-        pw_biases,
-        norm_weights,
-        norm_biases,
-        token_norm_weight,
-        token_norm_bias,
-    )
     k = dw_weights[0].shape[-1]
     n, d = images.shape[0], pw_weights[-1].shape[0]
     h, w = (grid_extent(extent, k, strides) for extent in padded_size)
@@ -131,20 +123,6 @@ def _tokenize_backward_fake(
     saved_outputs,
     output_mask,
 ):
-    _check_one_device(
-        grad_tokens,
-        images,
-        dw_weights,
-        dw_biases,
-        pw_weights,
-        pw_biases,
-        norm_weights,
-        norm_biases,
-        token_norm_weight,
-        token_norm_bias,
-        saved_rows,
-        saved_outputs,
-    )
     images_grad, parameters_grad = output_mask
 
     def like(tensors):
@@ -261,11 +239,14 @@ def register_python_kernels() -> None:
             _backward_weight_setup,
         ),
     ):
-        torch.library.register_fake(f"lumenbridge::{name}", fake)
+        torch.library.register_fake(f"lumenbridge::{name}", _on_one_device(fake))
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
-    torch.library.register_fake("lumenbridge::tokenize", _tokenize_fake)
-    torch.library.register_fake("lumenbridge::tokenize_for_training", _tokenize_for_training_fake)
-    torch.library.register_fake("lumenbridge::tokenize_backward", _tokenize_backward_fake)
+    for name, fake in (
+        ("tokenize", _tokenize_fake),
+        ("tokenize_for_training", _tokenize_for_training_fake),
+        ("tokenize_backward", _tokenize_backward_fake),
+    ):
+        torch.library.register_fake(f"lumenbridge::{name}", _on_one_device(fake))
     torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)
 
 

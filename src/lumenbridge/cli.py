@@ -67,9 +67,10 @@ index once every rank is done. Read it back with lumenbridge.read_tokens(DIR).
 'paths' (JSON list: the absolute path of each row's source, in order),
 'config', 'weights' and 'preprocess', written atomically: a failed run never
 leaves a partial file or replaces an existing one. --out never names an
-input (an image or a file list), and replaces an existing file only if it is a LumenBridge tokens
-file or --overwrite is given; a symlink is followed (the file it points to is
-replaced). The new file keeps the permissions of the one it replaces.
+input (an image or a file list), and replaces an existing file only if it is
+a LumenBridge tokens file or --overwrite is given; a symlink is followed (the
+file it points to is replaced). The new file keeps the permissions of the one
+it replaces.
 
 Inputs: image files, folders, globs, WebDataset .tar shards (also as brace
 patterns, quoted: 'data-{00000..00099}.tar'), and file lists (.txt: one path

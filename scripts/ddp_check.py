@@ -41,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=64, help="image side, a multiple of 16")
     parser.add_argument("--compile", action="store_true", help="also check torch.compile of the DDP-wrapped model")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.size < 16 or args.size % 16:
+        parser.error(f"--size must be a positive multiple of 16, got {args.size}")
+    if args.batch_per_process < 1:
+        parser.error(f"--batch-per-process must be positive, got {args.batch_per_process}")
+    return args
 
 
 def global_batch(world_size: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:

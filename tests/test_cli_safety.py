@@ -374,3 +374,10 @@ def test_paths_are_stored_absolute(tmp_path, monkeypatch):
     assert json.loads(metadata["paths"]) == [str(tmp_path / "a.png")]
     model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0)
     assert tokens.shape == (1, 4, model.embed_dim)
+
+
+def test_a_bad_backend_from_the_environment_is_named_as_such(tmp_path, two_pngs, monkeypatch, capsys):
+    monkeypatch.setenv("LUMENBRIDGE_BACKEND", "fast")
+    assert tokenize(*two_pngs, "--out", tmp_path / "t.safetensors") == 2
+    err = capsys.readouterr().err
+    assert "unknown backend 'fast' (from LUMENBRIDGE_BACKEND=fast)" in err and "--backend" not in err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ddp_check.py"
 
@@ -34,3 +34,10 @@ def test_one_nccl_process_per_gpu(cuda_kernels):
     run = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("1 x nccl on cuda") == 2 and run.stdout.count(": OK") == 2, run.stdout
+
+
+@pytest.mark.parametrize("argv", [["--size", "40"], ["--size", "0"], ["--batch-per-process", "0"]])
+def test_bad_arguments_are_one_usage_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("ddp_check").parse_args(argv)
+    assert exit_info.value.code == 2 and "must be" in capsys.readouterr().err

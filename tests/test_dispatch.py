@@ -36,7 +36,7 @@ def test_unknown_backend_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match="unknown backend 'triton'"):
         lumenbridge.select_backend("cpu", "triton")
     monkeypatch.setenv(BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+    with pytest.raises(ValueError, match=f"unknown backend 'fast' \\(from {BACKEND_ENV}=fast\\)"):
         lumenbridge.select_backend("cpu")
 
 

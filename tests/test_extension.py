@@ -45,6 +45,20 @@ def test_failed_build_falls_back_with_a_notice_and_one_log_line(monkeypatch, cap
     assert extension.has_cuda_kernels() is False
 
 
+def test_a_compile_error_is_summed_up_by_the_compilers_first_error_line():
+    error = extension.BuildError(
+        "Error building extension 'lumenbridge_cpu': [1/2] c++ -MMD -MF gateway.o.d -O3 -c gateway.cpp\n"
+        "FAILED: gateway.o\n"
+        "gateway.cpp:12:3: error: expected ';' before '}' token\n"
+        "gateway.cpp:20:1: error: another one\n"
+    )
+    assert error.summary == (
+        "Error building extension 'lumenbridge_cpu': gateway.cpp:12:3: error: expected ';' before '}' token "
+        "(`lumenbridge build` shows the whole output)"
+    )
+    assert extension.BuildError("c++: command not found\nmore").summary == "c++: command not found"
+
+
 def test_build_report_names_what_was_built(native_ops):
     report = extension.build(verbose=False)
     assert "CPU" in str(report) and report.library

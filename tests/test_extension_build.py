@@ -249,6 +249,19 @@ def test_a_build_folder_that_lost_its_library_is_rebuilt(tmp_path, cache):
     assert extension.compile_library(library) == (path, True)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the check reads ELF headers")
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not a library"])
+def test_a_damaged_library_is_rebuilt_not_loaded(tmp_path, cache, damage):
+    """Loading a library cut short can kill the process (SIGBUS) instead of
+    raising, so a build whose library is not whole counts as unfinished."""
+    library = tiny_library(tiny_source(tmp_path / "src"))
+    path, _ = extension.compile_library(library)
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "not a library": b"x" * len(data)}[damage])
+    assert extension.compile_library(library) == (path, True)
+    assert extension._whole_library(path) and path.stat().st_size > len(data) // 2
+
+
 def test_a_cache_that_cannot_be_written_is_a_build_error(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a-file" / "cache"))

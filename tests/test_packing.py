@@ -137,7 +137,7 @@ def test_cumulative_lengths():
         (
             [torch.randn(3, 32, 32), torch.randn(4, 32, 32)],
             ValueError,
-            "image 1 has 4 channels but the model expects 3",
+            r"image 1 \(\(4, 32, 32\)\): images have 4 channels but the model expects 3",
         ),
         ([torch.randn(3, 32, 32), torch.randn(3, 8, 32)], ValueError, "image 1 .*smaller than the total stride 16"),
         ([torch.randn(3, 40, 32)], ValueError, "image 0 .*not a multiple of the total stride 16.*dynamic_pad"),
@@ -151,6 +151,7 @@ def test_cumulative_lengths():
             ValueError,
             "image 1 is on meta but image 0 is on cpu",
         ),
+        ([torch.zeros(3, 32, 32, dtype=torch.int16)], TypeError, "image 0 .*must be uint8 .* or floating point"),
     ],
 )
 def test_bad_input_raises_clear_errors(images, error, message):
@@ -158,8 +159,15 @@ def test_bad_input_raises_clear_errors(images, error, message):
         make().forward_packed(images)
 
 
+def test_check_finite_names_the_image():
+    model = make()
+    model.check_finite = True
+    with pytest.raises(ValueError, match="image 1 .*NaN or Inf"):
+        model.forward_packed([torch.randn(3, 32, 32), torch.full((3, 32, 48), float("nan"))])
+
+
 def test_images_on_another_device_than_the_model_are_rejected():
-    with pytest.raises(ValueError, match="images are on meta but the model is on cpu"):
+    with pytest.raises(ValueError, match="image 0 .*images are on meta but the model is on cpu"):
         make().forward_packed([torch.empty(3, 32, 32, device="meta")])
 
 
@@ -199,6 +207,12 @@ def test_fit_token_budget_grows_small_images_to_min_tokens():
 def test_fit_token_budget_rejects_bad_budgets(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fit_token_budget(100, 100, 16, **kwargs)
+
+
+@pytest.mark.parametrize("stride", [0, -16, 2.5, 16.0, True])
+def test_fit_token_budget_rejects_a_stride_that_is_not_a_positive_integer(stride):
+    with pytest.raises(ValueError, match="stride must be a positive integer"):
+        fit_token_budget(100, 100, stride, max_tokens=64)
 
 
 def test_resize_to_token_budget_keeps_dtype_and_feeds_forward_packed():

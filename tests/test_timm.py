@@ -128,6 +128,8 @@ def test_a_patch_size_other_than_the_total_stride_is_a_clear_error():
         timm.create_model("vit_small_patch14_dinov2", embed_layer=PatchEmbed, pretrained=False)
     with pytest.raises(ValueError, match="patch_size 32 does not match .* total stride 16"):
         PatchEmbed(patch_size=32, embed_dim=64, config=SMALL)
+    with pytest.raises(ValueError, match=r"patch_size \(16, 8\) does not match .* \(square only\)"):
+        PatchEmbed(patch_size=(16, 8), embed_dim=64, config=SMALL)
     eight = dataclasses.replace(SMALL, strides=(2, 2, 2, 1))
     assert PatchEmbed(patch_size=8, embed_dim=64, config=eight).grid_size == (28, 28)
 
@@ -141,6 +143,19 @@ def test_mismatched_configs_are_clear_errors():
         PatchEmbed(embed_dim=100)
     with pytest.raises(TypeError, match="TokenizerConfig or a preset name"):
         PatchEmbed(embed_dim=64, config=64)
+
+
+def test_the_default_tokenizer_takes_the_models_channel_count():
+    model = timm.create_model("vit_small_patch16_224", in_chans=1, embed_layer=PatchEmbed, pretrained=False)
+    tokenizer = model.patch_embed.tokenizer
+    assert tokenizer.config.in_chans == 1 and len(tokenizer.config.mean) == 1
+    assert model(torch.randn(1, 1, 224, 224)).shape == (1, 1000)
+
+
+def test_a_size_that_needs_padding_names_timms_option():
+    model = tiny_vit(img_size=224, dynamic_img_size=True)
+    with pytest.raises(ValueError, match="build the model with dynamic_img_pad=True"):
+        model(torch.randn(1, 3, 230, 224))
 
 
 def test_a_fixed_size_model_names_the_size_it_takes():

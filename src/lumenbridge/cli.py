@@ -352,7 +352,7 @@ def selected_backend(device: torch.device, requested: str | None) -> str:
     try:
         return lumenbridge.select_backend(device, requested).name
     except (ValueError, RuntimeError) as error:
-        raise UsageError(f"--backend: {error}") from error
+        raise UsageError(f"--backend: {error}" if requested else str(error)) from error
 
 
 def print_summary(result: TokenizeResult, device: torch.device, backend: str, out: str) -> None:

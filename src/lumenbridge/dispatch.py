@@ -153,11 +153,13 @@ def resolve_backend_name(device_type: str, channels_last: bool = False, requeste
     an error; the automatic default falls back to the reference."""
     explicit = requested or os.environ.get(BACKEND_ENV) or None
     if explicit is not None:
+        # Name where the choice came from: an environment variable is not on the command line.
+        source = "" if requested else f" (from {BACKEND_ENV}={explicit})"
         if explicit not in BACKENDS:
-            raise ValueError(f"unknown backend {explicit!r}; choose from {sorted(BACKENDS)}")
+            raise ValueError(f"unknown backend {explicit!r}{source}; choose from {sorted(BACKENDS)}")
         reason = unavailable_reason(explicit, device_type)
         if reason is not None:
-            raise RuntimeError(f"backend {explicit!r} cannot run on {device_type}: {reason}")
+            raise RuntimeError(f"backend {explicit!r}{source} cannot run on {device_type}: {reason}")
         return explicit
     default = DEFAULTS.get((device_type, channels_last), "reference")
     reason = unavailable_reason(default, device_type)

@@ -29,6 +29,7 @@ import os
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -67,8 +68,16 @@ class BuildError(RuntimeError):
 
     @property
     def summary(self) -> str:
-        """The first line of the cause, for a one-line log message."""
-        return str(self).strip().splitlines()[0] if str(self).strip() else "unknown error"
+        """One line for a log message: the compiler's first error line when
+        there is one (a compile failure's first line is a ninja command line),
+        else the first line of the cause."""
+        lines = [line.strip() for line in str(self).strip().splitlines() if line.strip()]
+        if not lines:
+            return "unknown error"
+        errors = [line for line in lines[1:] if re.search(r"\berror\b", line, re.IGNORECASE)]
+        if errors:
+            return f"{lines[0].split(': [')[0]}: {errors[0]} (`lumenbridge build` shows the whole output)"
+        return lines[0]
 
 
 @dataclass(frozen=True)
@@ -229,6 +238,25 @@ def _ninja_on_path() -> Iterator[None]:
             os.environ["PATH"] = saved
 
 
+def _whole_library(path: Path) -> bool:
+    """False for a library that is not a whole ELF file (on Linux; elsewhere
+    True): one cut short no longer reaches the section headers that end it,
+    and dlopen of it can kill the process with SIGBUS instead of raising.
+    Reads 64 bytes."""
+    if not sys.platform.startswith("linux"):
+        return True
+    with open(path, "rb") as file:
+        header = file.read(64)
+    if len(header) < 64 or header[:4] != b"\x7fELF":
+        return False
+    if header[4] != 2:  # not ELF64: no check
+        return True
+    order = "<" if header[5] == 1 else ">"
+    (section_offset,) = struct.unpack_from(order + "Q", header, 0x28)
+    entry_size, entries = struct.unpack_from(order + "HH", header, 0x3A)
+    return path.stat().st_size >= section_offset + entry_size * entries
+
+
 def _discard_unfinished(folder: Path) -> bool:
     """Remove what earlier builds of folder left: their staging folders, and
     folder itself, which is incomplete if this runs. The caller holds the build
@@ -290,7 +318,13 @@ def compile_library(library: Library, verbose: bool = False, build_missing: bool
     path = folder / f"{library.name}.so"
 
     def complete() -> bool:
-        return (folder / COMPLETE_MARKER).exists() and path.exists()
+        """A finished build whose library is still whole: one cut short since
+        (a full disk, a partial copy of the cache) would crash the process in
+        dlopen (SIGBUS), so it counts as unfinished and is built again."""
+        try:
+            return (folder / COMPLETE_MARKER).exists() and _whole_library(path)
+        except OSError:  # the library is gone
+            return False
 
     if not complete() and not build_missing:
         return None
@@ -307,7 +341,10 @@ def compile_library(library: Library, verbose: bool = False, build_missing: bool
     try:
         torch.ops.load_library(str(path))
     except OSError as error:
-        raise BuildError(f"cannot load {path}: {error}") from error
+        cause = f" ({error.__cause__})" if error.__cause__ else ""
+        raise BuildError(
+            f"cannot load {path}: {error}{cause}; remove {folder} and run `lumenbridge build` to build it again"
+        ) from error
     return path, False
 
 

@@ -57,18 +57,14 @@ def _check_images(model: VisualTokenizer, images: Sequence[torch.Tensor]) -> Non
             raise TypeError(f"image {index} must be a torch.Tensor, got {type(image).__name__}")
         if image.dim() != 3:
             raise ValueError(f"image {index} must be 3-D [C, H, W], got shape {tuple(image.shape)}")
-        if image.shape[0] != model.config.in_chans:
-            raise ValueError(
-                f"image {index} has {image.shape[0]} channels but the model expects {model.config.in_chans}"
-            )
         if image.device != first.device:
             raise ValueError(f"image {index} is on {image.device} but image 0 is on {first.device}; use one device")
         if image.dtype != first.dtype:
             raise TypeError(f"image {index} is {image.dtype} but image 0 is {first.dtype}; use one dtype")
-        try:
-            model.feature_size(*image.shape[1:])
-        except ValueError as error:
-            raise ValueError(f"image {index} ({tuple(image.shape)}): {error}") from error
+        try:  # the model's own checks (dtype, channels, sizes, device, finite values), naming the image
+            model._check_images(image[None])
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"image {index} ({tuple(image.shape)}): {error}") from error
 
 
 def _as_sequences(output: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -128,6 +124,8 @@ def fit_token_budget(
     """
     if height < 1 or width < 1:
         raise ValueError(f"image size must be positive, got {height} x {width}")
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise ValueError(f"stride must be a positive integer (the model's total_stride), got {stride!r}")
     for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")

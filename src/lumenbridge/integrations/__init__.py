@@ -5,7 +5,7 @@ it is itself imported, so `import lumenbridge` needs none of them."""
 
 from __future__ import annotations
 
-from ..config import TokenizerConfig
+from ..config import IMAGENET_MEAN, IMAGENET_STD, TokenizerConfig
 
 
 def tokenizer_config(config: TokenizerConfig | str | None, embed_dim: int, in_chans: int) -> TokenizerConfig:
@@ -21,8 +21,19 @@ def tokenizer_config(config: TokenizerConfig | str | None, embed_dim: int, in_ch
                 f"embed_dim {embed_dim} is not a multiple of 8, so there is no default LumenBridge config "
                 "for it; pass config=TokenizerConfig(...)"
             )
+        # RGB keeps ImageNet's statistics; other channel counts (grayscale, RGB-D,
+        # multispectral) take their average for every channel.
+        mean, std = (
+            (IMAGENET_MEAN, IMAGENET_STD)
+            if in_chans == 3
+            else ((sum(IMAGENET_MEAN) / 3,) * in_chans, (sum(IMAGENET_STD) / 3,) * in_chans)
+        )
         config = TokenizerConfig(
-            embed_dim=embed_dim, stage_widths=(embed_dim // 8, embed_dim // 4, embed_dim // 2, embed_dim)
+            in_chans=in_chans,
+            mean=mean,
+            std=std,
+            embed_dim=embed_dim,
+            stage_widths=(embed_dim // 8, embed_dim // 4, embed_dim // 2, embed_dim),
         )
     elif isinstance(config, str):
         config = TokenizerConfig.preset(config)

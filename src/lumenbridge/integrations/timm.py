@@ -60,11 +60,12 @@ class PatchEmbed(nn.Module):
         super().__init__()
         config = tokenizer_config(config, embed_dim, in_chans)
         stride = config.total_stride
-        if to_2tuple(patch_size) != (stride, stride):
+        patch = to_2tuple(patch_size)
+        if patch != (stride, stride):
+            square = f"or a config whose strides multiply to {patch[0]}" if patch[0] == patch[1] else "(square only)"
             raise ValueError(
                 f"patch_size {patch_size} does not match the LumenBridge tokenizer's total stride {stride}: "
-                f"use a patch-{stride} model (such as vit_base_patch{stride}_224) or a config whose strides "
-                f"multiply to {patch_size}"
+                f"use a patch-{stride} model (such as vit_base_patch{stride}_224) {square}"
             )
         self.patch_size = (stride, stride)
         self.img_size, self.grid_size, self.num_patches = self._grid(img_size)
@@ -107,4 +108,10 @@ class PatchEmbed(nn.Module):
                 f"input size {tuple(x.shape[-2:])} does not match the model's img_size {self.img_size}; "
                 "build the model with dynamic_img_size=True for other sizes"
             )
-        return self.norm(nhwc_to(self.tokenizer(x), self.output_fmt))
+        try:
+            tokens = self.tokenizer(x)
+        except ValueError as error:  # the tokenizer's advice, in timm's words
+            raise ValueError(
+                str(error).replace("pass dynamic_pad=True", "build the model with dynamic_img_pad=True")
+            ) from error
+        return self.norm(nhwc_to(tokens, self.output_fmt))

@@ -663,11 +663,20 @@ class RunResult:
 
 def repeated_keys(plan) -> dict[str, list[str]]:
     """The keys of the plan that name more than one image, each with the
-    sources of its images (WebDataset keys are often unique only in their tar)."""
-    sources: dict[str, list[str]] = {}
+    sources of its images (WebDataset keys are often unique only in their tar).
+    A set of the keys, then the sources of the repeated ones only: a few tens
+    of bytes an image while it runs."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
     for sample in plan:
-        sources.setdefault(sample.key, []).append(sample.source)
-    return {key: found for key, found in sources.items() if len(found) > 1}
+        (repeated if sample.key in seen else seen).add(sample.key)
+    del seen
+    sources: dict[str, list[str]] = {}
+    if repeated:
+        for sample in plan:
+            if sample.key in repeated:
+                sources.setdefault(sample.key, []).append(sample.source)
+    return sources
 
 
 def weights_digest(model) -> str:

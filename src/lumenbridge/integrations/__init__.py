@@ -25,8 +25,8 @@ def tokenizer_config(config: TokenizerConfig | str | None, embed_dim: int, in_ch
         # multispectral) take their average for every channel.
         mean, std = (
             (IMAGENET_MEAN, IMAGENET_STD)
-            if in_chans == 3
-            else ((sum(IMAGENET_MEAN) / 3,) * in_chans, (sum(IMAGENET_STD) / 3,) * in_chans)
+            if in_chans == len(IMAGENET_MEAN)
+            else tuple((sum(stats) / len(stats),) * in_chans for stats in (IMAGENET_MEAN, IMAGENET_STD))
         )
         config = TokenizerConfig(
             in_chans=in_chans,

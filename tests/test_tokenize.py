@@ -136,15 +136,19 @@ def test_compile_fullgraph_and_export(device, native_ops):
         torch.testing.assert_close(exported.module()(images), expected, rtol=0, atol=0)
 
 
-def test_export_with_a_dynamic_image_size(native_ops):
+@pytest.mark.parametrize(
+    ("device", "dtype"), [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=cuda_only)]
+)
+def test_export_with_a_dynamic_image_size(device, dtype, native_ops):
     """padded_size is SymInt[2]: one exported program takes other image sizes."""
-    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device, dtype).eval()
     side = torch.export.Dim("side", min=1, max=64)
     height, width = 16 * side, 16 * torch.export.Dim("columns", min=1, max=64)
     with torch.no_grad():
-        exported = torch.export.export(model, (torch.randn(2, 3, 32, 48),), dynamic_shapes=({2: height, 3: width},))
+        example = torch.randn(2, 3, 32, 48, device=device, dtype=dtype)
+        exported = torch.export.export(model, (example,), dynamic_shapes=({2: height, 3: width},))
         assert any("lumenbridge.tokenize" in str(node.target) for node in exported.graph.nodes)
-        images = torch.randn(2, 3, 64, 80)
+        images = torch.randn(2, 3, 64, 80, device=device, dtype=dtype)
         torch.testing.assert_close(exported.module()(images), model(images), rtol=0, atol=0)
 
 

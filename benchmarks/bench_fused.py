@@ -9,8 +9,14 @@ Providers (same architecture, same weights):
   compile-ro      torch.compile(PlainTokenizer, mode="reduce-overhead") (CUDA graphs; small batches)
   lumenbridge-graph  the same VisualTokenizer call captured in a CUDA graph and replayed (small batches)
   vit-patch       ViT-B/16's patch embedding (Conv2d 3 -> 768, 16 x 16, stride 16), for scale
-Floors: the pointwise FLOPs at the measured bf16 matmul rate, and the bytes
-of three fusion levels at the measured copy bandwidth (DESIGN.md's counting).
+Floors, per dtype and input kind: the pointwise FLOPs at the matmul rate
+measured in the row's dtype (fp32 with TF32 where cuDNN may use it, as the
+op may), and at the measured copy bandwidth the bytes each fusion level
+must move at least: the image once (1 byte a pixel value for uint8), each
+stage output written and read once where it crosses device memory, and the
+tokens written once.
+cuDNN's autotuner is on (torch.backends.cudnn.benchmark), so the PyTorch
+peers run the algorithms that suit each shape, as a user tuning them would.
 
 Each row also records peak forward memory above the inputs
 (torch.cuda.max_memory_allocated). At B=256 bf16 224² it also times one
@@ -67,22 +73,32 @@ class PlainTokenizer(nn.Module):
         return self.norm(x.flatten(2).transpose(1, 2))
 
 
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
+def matmul_tflops(dtype: torch.dtype) -> float:
+    """The matmul rate in dtype; fp32 with TF32 exactly where cuDNN may use
+    it, since the op's fp32 honours that switch."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    matmul = torch.backends.cuda.matmul
+    allowed, matmul.allow_tf32 = matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
+    finally:
+        matmul.allow_tf32 = allowed
 
 
-def floors_ms(config: TokenizerConfig, batch: int, side: int, copy_gbs: float, tflops: float) -> dict:
-    """The arithmetic floor and three byte floors (bf16 activations)."""
+def floors_ms(
+    config: TokenizerConfig, batch: int, side: int, copy_gbs: float, tflops: float, element: int, pixel: int
+) -> dict:
+    """The arithmetic floor and three byte floors, for activations of
+    `element` bytes and images of `pixel` bytes a value."""
     widths = (config.in_chans, *config.stage_widths)
     sides, s = [side], side
     for stride in config.strides:
         s = -(-s // stride)
         sides.append(s)
     flops = sum(2 * sides[i + 1] ** 2 * widths[i] * widths[i + 1] for i in range(len(widths) - 1))
-    out = [2 * sides[i + 1] ** 2 * widths[i + 1] for i in range(len(widths) - 1)]  # bytes per stage output
-    image = 2 * side * side * config.in_chans
+    out = [element * sides[i + 1] ** 2 * widths[i + 1] for i in range(len(widths) - 1)]  # bytes per stage output
+    image = pixel * side * side * config.in_chans
 
     def ms(bytes_per_image):
         return batch * bytes_per_image / copy_gbs / 1e6
@@ -105,19 +121,24 @@ def peak_mb(fn, inputs: torch.Tensor) -> float:
 
 
 def graphed(model: VisualTokenizer):
-    """model as a CUDA graph replay, captured on the first call's input shape."""
-    state = {}
+    """model as a CUDA graph replay: one graph per input dtype, shape and
+    strides, captured on the first call with them (a graph replays only the
+    kernels it captured, so float images need a graph of their own)."""
+    graphs = {}
 
     def call(x):
-        if "graph" not in state:
-            state["input"] = x.clone()
-            model(state["input"])
-            state["graph"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(state["graph"]):
-                state["output"] = model(state["input"])
-        state["input"].copy_(x)
-        state["graph"].replay()
-        return state["output"]
+        key = (x.dtype, x.shape, x.stride())
+        if key not in graphs:
+            static = x.clone()
+            model(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = model(static)
+            graphs[key] = (static, graph, output)
+        static, graph, output = graphs[key]
+        static.copy_(x)
+        graph.replay()
+        return output
 
     return call
 
@@ -206,7 +227,9 @@ def parse_case(text: str) -> tuple[str, int, int]:
 
 def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) -> None:
     env = environment()
-    copy_gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
+    torch.backends.cudnn.benchmark = True
+    copy_gbs = copy_bandwidth_gbs()
+    tflops = {name: matmul_tflops(DTYPES[name]) for name in dict.fromkeys(d for d, _, _ in cases)}
     config = TokenizerConfig.preset("lumenbridge-base")
     rows = []
     result = {"environment": env, "copy_gbs": copy_gbs, "matmul_tflops": tflops, "rows": rows}
@@ -244,20 +267,22 @@ def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) ->
                 print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
         if dtype_name == "bf16" and batch == 256 and side == 224:
             rows += training_rows(model, batch, side, dtype_name, inputs["float"])
-        floors = floors_ms(config, batch, side, copy_gbs, tflops)
-        rows += [
-            {
-                "dtype": dtype_name,
-                "batch": batch,
-                "side": side,
-                "provider": f"floor: {k}",
-                "input": "",
-                "ms": v,
-                "peak_mb": 0.0,
-                "path": "",
-            }
-            for k, v in floors.items()
-        ]
+        element = torch.empty((), dtype=dtype).element_size()
+        for kind, x in inputs.items():
+            floors = floors_ms(config, batch, side, copy_gbs, tflops[dtype_name], element, x.element_size())
+            rows += [
+                {
+                    "dtype": dtype_name,
+                    "batch": batch,
+                    "side": side,
+                    "provider": f"floor: {k}",
+                    "input": kind,
+                    "ms": v,
+                    "peak_mb": 0.0,
+                    "path": "",
+                }
+                for k, v in floors.items()
+            ]
         del model, inputs
         torch.cuda.empty_cache()
         write(result, out)
@@ -276,7 +301,9 @@ def markdown(result: dict) -> str:
         (
             f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
             f"Python {env['python']}, {env['date']}; lumenbridge-base, channels-last input. "
-            f"Copy {result['copy_gbs']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s (same run). "
+            f"Copy {result['copy_gbs']:.0f} GB/s, matmul "
+            + ", ".join(f"{d} {t:.0f}" for d, t in result["matmul_tflops"].items())
+            + " TFLOP/s (same run). "
             "Median ms; peak MB above the inputs."
         ),
         "",
@@ -291,7 +318,7 @@ def markdown(result: dict) -> str:
                 o["ms"]
                 for o in rows
                 if o["provider"] == reference
-                and o["input"] == (r["input"] or "float")
+                and o["input"] == r["input"]
                 and (o["dtype"], o["batch"], o["side"]) == (r["dtype"], r["batch"], r["side"])
             ),
             None,
@@ -315,7 +342,7 @@ def plot(result: dict, path: Path) -> None:
     rows = [
         r
         for r in result["rows"]
-        if r["dtype"] == "bf16" and r["input"] in ("float", "") and not r["provider"].endswith(" train")
+        if r["dtype"] == "bf16" and r["input"] == "float" and not r["provider"].endswith(" train")
     ]
     cases = sorted({(r["batch"], r["side"]) for r in rows}, key=lambda c: (c[1], c[0]))
     names = [p for p in dict.fromkeys(r["provider"] for r in rows)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import shutil
 import sys
@@ -16,11 +17,24 @@ from lumenbridge import extension, native
 HAS_CUDA = torch.cuda.is_available()
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/<name>.py as a module (the scripts are not a package), kept
-    in sys.modules, where dataclasses look their module up."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+def import_or_skip(name: str) -> ModuleType:
+    """An optional package, or a skip that says why it cannot be used: not
+    installed (ImportError), or installed for another torch (torchvision then
+    raises RuntimeError at import, on operators it cannot register)."""
+    try:
+        return importlib.import_module(name)
+    except (ImportError, RuntimeError) as error:
+        pytest.skip(f"{name} cannot be imported here: {error}", allow_module_level=True)
+
+
+def load_script(name: str, folder: str = "scripts") -> ModuleType:
+    """<folder>/<name>.py as a module (the scripts and benchmarks are not
+    packages), kept in sys.modules, where dataclasses look their module up;
+    the folder goes on sys.path, where the file imports its siblings from."""
+    folder_path = Path(__file__).resolve().parents[1] / folder
+    if str(folder_path) not in sys.path:
+        sys.path.append(str(folder_path))
+    spec = importlib.util.spec_from_file_location(name, folder_path / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

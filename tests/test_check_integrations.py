@@ -5,14 +5,14 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-import pytest
+from conftest import import_or_skip
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_integrations.py"
 
 
 def test_every_check_passes(capsys):
-    pytest.importorskip("timm")
-    pytest.importorskip("transformers")
+    import_or_skip("timm")
+    import_or_skip("transformers")
     assert runpy.run_path(str(SCRIPT))["main"]() == 0
     out = capsys.readouterr().out
     for check in ("check_timm", "check_hf_model", "check_hf_towers", "check_packed"):

@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import import_or_skip
 from PIL import Image
 
 import lumenbridge
 from lumenbridge import TokenizerConfig, VisualTokenizer, cli, pipeline, shards
 from lumenbridge.images import load_image
 from lumenbridge.sources import expand_braces, scan_tar
+from lumenbridge.testing import TokenizeCase
 
 SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--image-size", "32", "--workers", "0", "--device", "cpu"]
@@ -334,7 +336,7 @@ def test_text_and_parquet_file_lists(tmp_path, images, capsys):
     (error,) = errors_of(out)
     assert error["key"] == str(tmp_path / "missing.jpg") and error["error"].startswith("FileNotFoundError")
 
-    pyarrow = pytest.importorskip("pyarrow")
+    pyarrow = import_or_skip("pyarrow")
     import pyarrow.parquet as pq
 
     pq.write_table(pyarrow.table({"path": images[4:8], "caption": ["x"] * 4}), tmp_path / "list.parquet")
@@ -667,13 +669,37 @@ def test_every_node_must_see_the_same_output_folder(tmp_path, images):
 # --- the GPU decode path (its logic on the CPU here; on CUDA in gpu_check) ---------------------
 
 
-def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, monkeypatch):
-    pytest.importorskip("torchvision")
+@pytest.fixture
+def telling_weights(tmp_path) -> Path:
+    """A small checkpoint whose tokens carry their image (the sample cases'
+    scale-keeping weights; a default-initialized model gives nearly the same
+    tokens for every image)."""
+    folder = tmp_path / "weights"
+    TokenizeCase("small", TokenizerConfig.preset(SMALL)).model().save_pretrained(folder)
+    return folder
+
+
+def assert_decoders_agree(gpu: dict, cpu: dict, paths: list[str]) -> None:
+    """Another decoder and resampler: each image's tokens from the GPU path
+    are closer to its own CPU-path tokens than to any other image's, and
+    point the same way (cosine above 0.9)."""
+    cpu_tokens = torch.stack([cpu[path].float().flatten() for path in paths])
+    for i, path in enumerate(paths):
+        tokens = gpu[path].float().flatten()
+        assert torch.cdist(tokens[None], cpu_tokens)[0].argmin().item() == i, path
+        assert torch.nn.functional.cosine_similarity(tokens, cpu_tokens[i], dim=0) > 0.9, path
+
+
+def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, telling_weights, monkeypatch):
+    import_or_skip("torchvision")
     (tmp_path / "images" / "zz-broken.jpg").write_bytes(Path(images[1]).read_bytes()[:200])  # header fine, data cut
     monkeypatch.setattr(cli, "check_gpu_decode", lambda device: None)
     out_gpu, out_cpu = tmp_path / "gpu", tmp_path / "cpu"
-    assert tokenize(tmp_path / "images", "--out", out_gpu, "--decode", "gpu", "--batch-size", "5") == 1
-    assert tokenize(tmp_path / "images", "--out", out_cpu, "--batch-size", "5") == 1
+    common = ["--weights", str(telling_weights), "--image-size", "32", "--workers", "0", "--device", "cpu"]
+    common += ["--batch-size", "5"]
+    run = ["tokenize", str(tmp_path / "images")]
+    assert cli.main([*run, "--out", str(out_gpu), "--decode", "gpu", *common]) == 1
+    assert cli.main([*run, "--out", str(out_cpu), *common]) == 1
     index_gpu, index_cpu = index_of(out_gpu), index_of(out_cpu)
     assert [entry["key"] for entry in index_gpu] == [entry["key"] for entry in index_cpu] == images
     assert [entry["key"] for entry in errors_of(out_gpu)] == [str(tmp_path / "images" / "zz-broken.jpg")]
@@ -681,23 +707,18 @@ def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, monkeypatch):
     for path in images:
         if path.endswith(".png"):  # not a JPEG: decoded on the CPU either way
             assert torch.equal(gpu[path], cpu[path])
-        else:  # another decoder and resampler: close, not equal
-            assert torch.nn.functional.cosine_similarity(gpu[path].flatten(), cpu[path].flatten(), dim=0) > 0.9
+    assert_decoders_agree(gpu, cpu, images)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_decode_gpu_end_to_end_on_cuda(tmp_path, images):
-    pytest.importorskip("torchvision")
+def test_decode_gpu_end_to_end_on_cuda(tmp_path, images, telling_weights):
+    import_or_skip("torchvision")
     out_gpu, out_cpu = tmp_path / "gpu", tmp_path / "cpu"
-    small = ["--preset", SMALL, "--image-size", "32", "--workers", "2", "--device", "cuda"]
-    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_gpu), "--decode", "gpu", *small]) == 0
-    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_cpu), *small]) == 0
+    common = ["--weights", str(telling_weights), "--image-size", "32", "--workers", "2", "--device", "cuda"]
+    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_gpu), "--decode", "gpu", *common]) == 0
+    assert cli.main(["tokenize", str(tmp_path / "images"), "--out", str(out_cpu), *common]) == 0
     gpu, cpu = lumenbridge.read_tokens(out_gpu), lumenbridge.read_tokens(out_cpu)
     assert [key for key, _, _ in gpu] == images
-    for path in images:
-        assert gpu[path].dtype == torch.bfloat16
-        similarity = torch.nn.functional.cosine_similarity(
-            gpu[path].float().flatten(), cpu[path].float().flatten(), dim=0
-        )
-        assert similarity > 0.9, path
+    assert all(gpu[path].dtype == torch.bfloat16 for path in images)
+    assert_decoders_agree(gpu, cpu, images)

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import import_or_skip
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_vlm_connector_trains_every_part_for_one_step():
-    pytest.importorskip("transformers")
+    import_or_skip("transformers")
     example = runpy.run_path(str(EXAMPLES / "vlm_connector.py"))
     result = example["main"]()
     assert result.image_tokens == [24, 21]  # 300 x 200 -> 6 x 4 tokens, 180 x 400 -> 3 x 7

@@ -9,10 +9,11 @@ import json
 import pytest
 import safetensors.torch
 import torch
+from conftest import import_or_skip
 
 from lumenbridge import TokenizerConfig, VisualTokenizer
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_skip("transformers")
 from lumenbridge.integrations.hf import (
     LumenBridgeVisionConfig,
     LumenBridgeVisionModel,

@@ -15,7 +15,6 @@ from lumenbridge.images import (
     collate_images,
     crop_box,
     decode_image,
-    discover_images,
     load_image,
     preprocess,
     sample_image_paths,
@@ -35,50 +34,7 @@ def save_truncated_png(path):
     return str(path)
 
 
-# --- discovering inputs ---------------------------------------------------------------
-
-
-def test_explicit_files_keep_the_given_order_without_repeats(tmp_path):
-    b = save_image(tmp_path / "b.png")
-    a = save_image(tmp_path / "a.png")
-    assert discover_images([b, a, b]) == [b, a]
-
-
-def test_folder_is_searched_recursively_in_sorted_order_for_image_extensions(tmp_path):
-    expected = [
-        save_image(tmp_path / "A.JPG"),
-        save_image(tmp_path / "b.png"),
-        save_image(tmp_path / "sub" / "c.webp"),
-        save_image(tmp_path / "sub" / "deeper" / "d.jpeg"),
-    ]
-    (tmp_path / "notes.txt").write_text("not an image")
-    (tmp_path / "sub" / "e.gif").write_bytes(b"GIF89a")
-    (tmp_path / "._A.JPG").write_bytes(b"macOS metadata, not an image")
-    save_image(tmp_path / ".cache" / "thumb.png")
-    assert discover_images([str(tmp_path)]) == expected
-
-
-def test_glob_patterns_expand_recursively_and_repeats_are_dropped(tmp_path):
-    top = save_image(tmp_path / "top.png")
-    nested = save_image(tmp_path / "x" / "y" / "nested.png")
-    save_image(tmp_path / "x" / "skip.jpg")
-    pattern = os.path.join(str(tmp_path), "**", "*.png")
-    assert discover_images([nested, pattern]) == [nested, top]
-
-
-def test_a_glob_matching_a_folder_takes_its_images(tmp_path):
-    inside = save_image(tmp_path / "set1" / "one.png")
-    assert discover_images([os.path.join(str(tmp_path), "set*")]) == [inside]
-
-
-def test_a_path_that_matches_nothing_is_an_error_naming_it(tmp_path):
-    good = save_image(tmp_path / "good.png")
-    missing = str(tmp_path / "missing.png")
-    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
-        discover_images([good, missing])
-    empty_glob = os.path.join(str(tmp_path), "*.webp")
-    with pytest.raises(FileNotFoundError, match=re.escape(empty_glob)):
-        discover_images([empty_glob])
+# --- sample photos ---------------------------------------------------------------------
 
 
 def test_sample_photos_are_found_in_the_installed_scikit_image():

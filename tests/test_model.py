@@ -1,5 +1,6 @@
-"""VisualTokenizer behaviour on the reference backend: shapes, formats,
-input kinds, layouts, padding and the errors users see."""
+"""VisualTokenizer behaviour on its default backend for the input (the CPU:
+native for NCHW, the reference for channels-last): shapes, formats, input
+kinds, layouts, padding and the errors users see."""
 
 from __future__ import annotations
 

@@ -226,3 +226,12 @@ def test_resize_to_token_budget_keeps_dtype_and_feeds_forward_packed():
     assert packed.grid_hw.tolist() == [[6, 4], [2, 10]]
     with pytest.raises(ValueError, match=r"\[C, H, W\]"):
         resize_to_token_budget(torch.rand(1, 3, 32, 32), 16, max_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_resize_to_token_budget_takes_half_types(dtype):
+    image = torch.rand(3, 300, 200)
+    resized = resize_to_token_budget(image.to(dtype), 16, max_tokens=24)
+    assert resized.dtype == dtype and resized.shape == (3, 96, 64)
+    expected = resize_to_token_budget(image.to(dtype).float(), 16, max_tokens=24)
+    torch.testing.assert_close(resized, expected.to(dtype), rtol=0, atol=0)

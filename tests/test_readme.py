@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import import_or_skip
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Third-party packages a block may need; a block that imports one skips without it.
@@ -36,6 +37,6 @@ def test_the_readme_has_an_example_per_integration():
 def test_readme_block_runs(code, tmp_path, monkeypatch):
     for package in OPTIONAL:
         if re.search(rf"^\s*(import|from) {package}\b", code, re.MULTILINE):
-            pytest.importorskip(package)
+            import_or_skip(package)
     monkeypatch.chdir(tmp_path)  # blocks may write files, like save_pretrained("my-tokenizer")
     exec(compile(code, str(README), "exec"), {"__name__": "readme"})  # noqa: S102 -- running the README is the test

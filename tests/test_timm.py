@@ -7,10 +7,11 @@ import functools
 
 import pytest
 import torch
+from conftest import import_or_skip
 
 from lumenbridge import TokenizerConfig, VisualTokenizer
 
-timm = pytest.importorskip("timm")
+timm = import_or_skip("timm")
 from lumenbridge.integrations.timm import PatchEmbed
 
 SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=64, stage_widths=(8, 16, 32, 64))

@@ -38,6 +38,22 @@ def test_cpu_op_matches_float64_reference(case, poisoned):
     assert report.error <= report.floor, report  # 1e-5 of the largest reference value
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["base", "no-token-norm", "k7", "relu-nchw-out"])
+def test_the_half_type_rule_rejects_the_tokens_of_other_images(name, dtype):
+    """The sample cases' tokens carry their images: PyTorch's own tokens of
+    other images, in the same dtype, fail the rule the CUDA kernels must pass."""
+    case = next(c for c in CASES if c.name == name)
+    model = case.model().to(dtype)
+    images, others = case.images(seed=0), case.images(seed=1)
+    if images.is_floating_point():
+        images, others = images.to(dtype), others.to(dtype)
+    with torch.no_grad():
+        wrong = model.forward_layers(others, "reference")
+    report = compare_to_float64(model, images, wrong, dtype)
+    assert not report.ok and report.error > 10 * report.limit, report
+
+
 def assert_within_twice_pytorch_error(case, dtype: torch.dtype, device: str) -> None:
     """The op on `case` in `dtype` (outputs poisoned by the caller's fixture):
     every element written, and within the tolerance rule of float64."""

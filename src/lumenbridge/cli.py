@@ -73,8 +73,8 @@ file it points to is replaced). The new file keeps the permissions of the one
 it replaces.
 
 Inputs: image files, folders, globs, WebDataset .tar shards (also as brace
-patterns, quoted: 'data-{00000..00099}.tar'), and file lists (.txt: one path
-a line; .parquet: a column 'path'; relative paths from the list's folder).
+patterns, quoted: 'data-{00000..00099}.tar'), and file lists (.txt or .lst: one
+path a line; .parquet: a column 'path'; relative paths from the list's folder).
 Unreadable images, and images over --max-pixels, are named on stderr with the
 reason and skipped. Transparent pixels are composited onto --background.
 

@@ -80,11 +80,17 @@ def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device) -> list[tor
         return decoded
 
 
-def sampling_ratio(scale: float) -> int:
-    """Samples per output pixel and axis for a downscale by `scale` (>= 1): at
-    most `scale`, so that every sample stays inside the image (roi_align's
-    samples reach half a step past the box less half a sample's spacing)."""
-    return max(1, min(MAX_SAMPLING_RATIO, math.floor(scale + 1e-6)))
+def sampling_ratio(scale: float, margin: float) -> int:
+    """Samples per output pixel and axis for a downscale by `scale` (>= 1),
+    whose box ends `margin` pixels before the image's right or bottom edge
+    (the smaller). At most a pixel apart (ceil(scale)), so the average covers
+    every pixel under the output pixel. roi_align's last sample lies half a
+    pixel (aligned boxes) plus half a sample spacing before the box's end and
+    interpolates towards the next pixel: with less than half a pixel of
+    margin it would reach the zeros of the canvas around a smaller image, so
+    there the spacing stays at least a pixel (floor(scale))."""
+    ratio = math.ceil(scale - 1e-6) if margin >= 0.5 else math.floor(scale + 1e-6)
+    return max(1, min(MAX_SAMPLING_RATIO, ratio))
 
 
 def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) -> torch.Tensor:
@@ -103,8 +109,9 @@ def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) ->
         box = crop_box(width, height, resize, image_size)
         boxes.append(box)
         scale = (box[2] - box[0]) / image_size
+        margin = min(width - box[2], height - box[3])
         # 0: an upscale, resampled on its own with replicated edges.
-        groups.setdefault(sampling_ratio(scale) if scale >= 1 else 0, []).append(position)
+        groups.setdefault(sampling_ratio(scale, margin) if scale >= 1 else 0, []).append(position)
 
     def finish(positions: list[int], result: torch.Tensor) -> None:
         index = _on(device, positions, torch.int64)

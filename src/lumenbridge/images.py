@@ -12,7 +12,6 @@ instead of showing the colour they happen to store.
 
 from __future__ import annotations
 
-import glob
 import importlib.resources
 import os
 import signal
@@ -59,8 +58,6 @@ IMAGE_READ_ERRORS = (
     Image.DecompressionBombError,
 )
 
-_GLOB_CHARACTERS = frozenset("*?[")
-
 
 def is_image_file(path: str | os.PathLike) -> bool:
     """Whether a path has one of the image extensions we pick up from folders and globs."""
@@ -68,57 +65,26 @@ def is_image_file(path: str | os.PathLike) -> bool:
 
 
 def images_in_folder(folder: str | os.PathLike) -> list[str]:
-    """All image files below a folder, recursively, in sorted order, skipping hidden ones."""
-    # Hidden entries (".name", such as macOS "._IMG_1.jpg" metadata files) are not images.
-    return [
-        str(path)
-        for path in sorted(Path(folder).rglob("*"))
-        if path.is_file()
-        and is_image_file(path)
-        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    ]
-
-
-def expand_input(path: str) -> list[str]:
-    """The image files one user-given path stands for.
-
-    An existing file is taken as is, whatever its extension (the user named it);
-    a folder gives its images; anything else is treated as a glob pattern.
-    """
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        return images_in_folder(path)
-    if not _GLOB_CHARACTERS.intersection(path):
-        return []
-    matches = []
-    for match in sorted(glob.glob(path, recursive=True)):
-        if os.path.isdir(match):
-            matches.extend(images_in_folder(match))
-        elif is_image_file(match):
-            matches.append(match)
-    return matches
-
-
-def discover_images(paths: Sequence[str]) -> list[str]:
-    """Expands files, folders and glob patterns into image files.
-
-    Keeps the order the user gave and drops repeats (the same file reached
-    twice, e.g. through a folder and a glob). Raises FileNotFoundError naming
-    the first path that yields no image.
-    """
+    """All image files below a folder, recursively, in sorted order, skipping
+    hidden ones. Links to folders are followed, each folder once (so a link
+    back up the tree is no loop); where two paths reach one folder, the first
+    in sorted order is kept."""
     found = []
-    seen = set()
-    for path in paths:
-        matches = expand_input(os.fspath(path))
-        if not matches:
-            raise FileNotFoundError(f"no image files found for {path!r}")
-        for match in matches:
-            key = os.path.normcase(os.path.abspath(match))
-            if key not in seen:
-                seen.add(key)
-                found.append(match)
-    return found
+    visited = set()
+    for root, folders, files in os.walk(folder, followlinks=True):
+        folders.sort()
+        real = os.path.realpath(root)
+        if real in visited:
+            folders.clear()
+            continue
+        visited.add(real)
+        # Hidden entries (".name", such as macOS "._IMG_1.jpg" metadata files) are not images.
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in files:
+            path = os.path.join(root, name)
+            if not name.startswith(".") and is_image_file(name) and os.path.isfile(path):
+                found.append(path)
+    return sorted(found, key=lambda path: Path(path).parts)
 
 
 def sample_image_paths() -> list[str]:

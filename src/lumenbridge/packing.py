@@ -157,4 +157,8 @@ def resize_to_token_budget(
     size = fit_token_budget(*image.shape[1:], stride, min_tokens=min_tokens, max_tokens=max_tokens)
     if size == tuple(image.shape[1:]):
         return image
-    return F.interpolate(image[None], size=size, mode="bicubic", antialias=True, align_corners=False)[0]
+    # Half types in float32: PyTorch's CPU antialiasing has no kernel for them.
+    source = image.float() if image.dtype in (torch.float16, torch.bfloat16) else image
+    return F.interpolate(source[None], size=size, mode="bicubic", antialias=True, align_corners=False)[0].to(
+        image.dtype
+    )

@@ -117,8 +117,11 @@ def read_text_list(path: str) -> list[str]:
     """The entries of a text file list: one path a line; blank lines and lines
     starting with # are skipped; relative paths are taken from the list's folder."""
     folder = os.path.dirname(os.path.abspath(path))
-    with open(path, encoding="utf-8") as file:
-        lines = [line.strip() for line in file]
+    try:
+        with open(path, encoding="utf-8-sig") as file:  # -sig: a byte-order mark is not part of the first path
+            lines = [line.strip() for line in file]
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: a file list must be UTF-8 text ({error})") from error
     return [os.path.join(folder, line) for line in lines if line and not line.startswith("#")]
 
 
@@ -128,10 +131,18 @@ def read_parquet_list(path: str) -> list[str]:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as error:
         raise ValueError(f"{path}: reading a parquet file list needs pyarrow (pip install pyarrow)") from error
-    schema = pq.read_schema(path)
-    if PARQUET_PATH_COLUMN not in schema.names:
-        raise ValueError(f"{path}: a parquet file list needs a column {PARQUET_PATH_COLUMN!r}; it has {schema.names}")
-    column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
+    import pyarrow
+
+    try:
+        schema = pq.read_schema(path)
+        if PARQUET_PATH_COLUMN not in schema.names:
+            raise ValueError(f"it has no column {PARQUET_PATH_COLUMN!r} (its columns: {schema.names})")
+        kind = schema.field(PARQUET_PATH_COLUMN).type
+        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+            raise ValueError(f"its column {PARQUET_PATH_COLUMN!r} must hold strings, not {kind}")
+        column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
+    except (pyarrow.ArrowException, ValueError) as error:
+        raise ValueError(f"{path}: cannot read it as a parquet file list: {error}") from error
     folder = os.path.dirname(os.path.abspath(path))
     return [os.path.join(folder, entry) for entry in column if entry]
 
@@ -144,6 +155,18 @@ def _list_entries(path: str, kind: str) -> list[Input]:
         # that is missing fails when it is read, and is named in the errors file.
         inputs.append(Input("tar" if _classify(entry) == "tar" else "file", os.path.abspath(entry)))
     return inputs
+
+
+def _shortest_path_to_each(paths: Iterable[str]) -> list[str]:
+    """Sorted paths, one to each file or folder: a recursive glob follows
+    links to folders, up the tree too, and reaches the same file by ever
+    longer paths; the one of fewest parts is kept."""
+    shortest: dict[str, str] = {}
+    for path in sorted(paths):
+        real = os.path.normcase(os.path.realpath(path))
+        if real not in shortest or len(Path(path).parts) < len(Path(shortest[real]).parts):
+            shortest[real] = path
+    return sorted(shortest.values())
 
 
 def _expand_one(path: str) -> list[Input]:
@@ -159,13 +182,20 @@ def _expand_one(path: str) -> list[Input]:
         for each in expand_braces(path):
             matches = _expand_one(each)
             if not matches:
-                raise FileNotFoundError(f"{each!r} (from {path!r}) does not exist")
+                problem = (
+                    "has no image files"
+                    if os.path.exists(each)
+                    else "matches nothing"
+                    if _GLOB_CHARACTERS.intersection(each)
+                    else "does not exist"
+                )
+                raise FileNotFoundError(f"{each!r} (from {path!r}) {problem}")
             expanded.extend(matches)
         return expanded
     if not _GLOB_CHARACTERS.intersection(path):
         return []
     matches = []
-    for match in sorted(glob.glob(path, recursive=True)):
+    for match in _shortest_path_to_each(glob.glob(path, recursive=True)):
         if os.path.isdir(match):
             matches.extend(Input("file", os.path.abspath(image)) for image in images_in_folder(match))
         elif is_image_file(match):
@@ -177,17 +207,23 @@ def _expand_one(path: str) -> list[Input]:
 
 def expand_inputs(paths: Sequence[str]) -> list[Input]:
     """Expands the command line's paths into image files and tar shards, in the
-    order given, dropping repeats. Raises FileNotFoundError naming the first path
-    that yields nothing (a missing list file included), ValueError for a list or
-    tar that cannot be used."""
+    order given, dropping repeats: a file reached again, by the same path or
+    through links (a recursive glob follows links to folders, up the tree
+    too), is kept once, where first found. A file list's entries are compared
+    by path alone (resolving links would cost each of millions of entries
+    several system calls). Raises FileNotFoundError naming the first path
+    that yields nothing (a missing list file included), ValueError for a list
+    or tar that cannot be used."""
     found: list[Input] = []
     seen = set()
     for path in paths:
-        matches = _expand_one(os.fspath(path))
+        path = os.fspath(path)
+        matches = _expand_one(path)
         if not matches:
             raise FileNotFoundError(f"no image files found for {path!r}")
+        listed = os.path.isfile(path) and _classify(path) in ("list", "parquet")
         for match in matches:
-            identity = (match.kind, os.path.normcase(match.path))
+            identity = (match.kind, os.path.normcase(match.path if listed else os.path.realpath(match.path)))
             if identity not in seen:
                 seen.add(identity)
                 found.append(match)
@@ -204,8 +240,9 @@ def split_member_name(name: str) -> tuple[str, str]:
 
 def _image_member(members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
     """A sample's image member (members by extension, in member order): the
-    first of IMAGE_MEMBER_EXTENSIONS it has; failing that, the first member
-    whose multi-part extension ends in one of them (left.jpg, 000.png)."""
+    first of IMAGE_MEMBER_EXTENSIONS it has; failing that, a member whose
+    multi-part extension ends in one of them (left.jpg, 000.png), in that
+    order of extensions, then in member order."""
     for extension in IMAGE_MEMBER_EXTENSIONS:
         if extension in members:
             return members[extension]
@@ -304,14 +341,20 @@ def read_sample_bytes(sample: Sample, _files: dict = {}) -> bytes:  # noqa: B006
     if sample.member is None:
         with open(sample.source, "rb") as file:
             return file.read()
-    descriptor = _files.get(sample.source)
-    if descriptor is None:
+    # The tar's identity: a file written again under the same path (a later
+    # run in this process, or a worker forked with this cache) is opened anew.
+    status = os.stat(sample.source)
+    identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
+    cached = _files.get(sample.source)
+    if cached is None or cached[0] != identity:
+        if cached is not None:
+            os.close(_files.pop(sample.source)[1])
         if len(_files) >= 64:
-            for old in _files.values():
+            for _, old in _files.values():
                 os.close(old)
             _files.clear()
-        descriptor = _files[sample.source] = os.open(sample.source, os.O_RDONLY)
-    data = os.pread(descriptor, sample.size, sample.offset)
+        cached = _files[sample.source] = (identity, os.open(sample.source, os.O_RDONLY))
+    data = os.pread(cached[1], sample.size, sample.offset)
     if len(data) != sample.size:
         raise OSError(f"{sample.source}: the tar ends inside member {sample.member}")
     return data

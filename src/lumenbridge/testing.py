@@ -33,11 +33,21 @@ class TokenizeCase:
     dynamic_pad: bool = False
 
     def model(self, seed: int = 0) -> VisualTokenizer:
-        """Fresh random parameters, including random norm statistics and affine terms."""
+        """Fresh random parameters, including random norm statistics and affine
+        terms. The convolutions' weights keep the activations' scale from stage
+        to stage (PyTorch's default initialization shrinks it about threefold a
+        layer, so its tokens are nearly the biases' alone: those of another
+        image then pass the half types' tolerance)."""
         model = VisualTokenizer(self.config, dynamic_pad=self.dynamic_pad, seed=seed).eval()
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for module in model.modules():
+                if isinstance(module, torch.nn.Conv2d):
+                    # Depthwise: variance kept; pointwise: doubled, for the activation after it to halve.
+                    gain = 1.0 if module.groups > 1 else 2.0
+                    fan_in = module.weight[0].numel()
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * (gain / fan_in) ** 0.5)
+                    module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
                 if isinstance(module, (torch.nn.LayerNorm, torch.nn.BatchNorm2d)):
                     module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape, generator=generator))
                     module.bias.copy_(0.2 * torch.randn(module.bias.shape, generator=generator))

@@ -1,0 +1,142 @@
+"""Finding a run's inputs (lumenbridge.sources): files, folders, globs, brace
+patterns, links and file lists, and reading a tar member's bytes."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tarfile
+
+import pytest
+from conftest import import_or_skip
+from PIL import Image
+
+from lumenbridge.sources import Sample, expand_inputs, read_sample_bytes
+
+
+def save_image(path, size=(20, 16), color=(200, 100, 50)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return str(path)
+
+
+def found(*paths) -> list[str]:
+    return [item.path for item in expand_inputs([str(path) for path in paths])]
+
+
+def test_explicit_files_keep_the_given_order_without_repeats(tmp_path):
+    b = save_image(tmp_path / "b.png")
+    a = save_image(tmp_path / "a.png")
+    assert found(b, a, b) == [b, a]
+
+
+def test_folder_is_searched_recursively_in_sorted_order_for_image_extensions(tmp_path):
+    expected = [
+        save_image(tmp_path / "A.JPG"),
+        save_image(tmp_path / "b.png"),
+        save_image(tmp_path / "sub" / "c.webp"),
+        save_image(tmp_path / "sub" / "deeper" / "d.jpeg"),
+        save_image(tmp_path / "sub-folder" / "e.png"),  # after sub/..., as a path's parts sort
+    ]
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "sub" / "e.gif").write_bytes(b"GIF89a")
+    (tmp_path / "._A.JPG").write_bytes(b"macOS metadata, not an image")
+    save_image(tmp_path / ".cache" / "thumb.png")
+    assert found(tmp_path) == expected
+
+
+def test_glob_patterns_expand_recursively_and_repeats_are_dropped(tmp_path):
+    top = save_image(tmp_path / "top.png")
+    nested = save_image(tmp_path / "x" / "y" / "nested.png")
+    save_image(tmp_path / "x" / "skip.jpg")
+    assert found(nested, tmp_path / "**" / "*.png") == [nested, top]
+
+
+def test_a_glob_matching_a_folder_takes_its_images(tmp_path):
+    inside = save_image(tmp_path / "set1" / "one.png")
+    assert found(tmp_path / "set*") == [inside]
+
+
+def test_a_path_that_matches_nothing_is_an_error_naming_it(tmp_path):
+    good = save_image(tmp_path / "good.png")
+    missing = str(tmp_path / "missing.png")
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        found(good, missing)
+    empty_glob = str(tmp_path / "*.webp")
+    with pytest.raises(FileNotFoundError, match=re.escape(empty_glob)):
+        found(empty_glob)
+
+
+def test_a_link_back_up_the_tree_gives_each_image_once(tmp_path):
+    top = save_image(tmp_path / "loop" / "img.jpg")
+    inner = save_image(tmp_path / "loop" / "sub" / "x.jpg")
+    os.symlink("..", tmp_path / "loop" / "sub" / "up")
+    assert found(tmp_path / "loop" / "**" / "*.jpg") == [top, inner]
+    assert found(tmp_path / "loop") == [top, inner]
+
+
+def test_a_folder_follows_links_to_folders_as_a_glob_does(tmp_path):
+    own = save_image(tmp_path / "top" / "t.jpg")
+    save_image(tmp_path / "real" / "r.jpg")
+    os.symlink(tmp_path / "real", tmp_path / "top" / "linked")
+    linked = str(tmp_path / "top" / "linked" / "r.jpg")
+    assert found(tmp_path / "top") == [linked, own]
+    assert found(tmp_path / "top" / "**" / "*.jpg") == [linked, own]
+    assert found(tmp_path / "top", tmp_path / "real") == [linked, own]  # the same file, reached again
+
+
+def test_a_brace_alternative_says_what_is_wrong_with_it(tmp_path):
+    save_image(tmp_path / "a" / "a.jpg")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(FileNotFoundError, match="/b' .* has no image files"):
+        found(str(tmp_path) + "/{a,b}")
+    with pytest.raises(FileNotFoundError, match="/c' .* does not exist"):
+        found(str(tmp_path) + "/{a,c}")
+    with pytest.raises(FileNotFoundError, match=r"\*\.png'.* matches nothing"):
+        found(str(tmp_path) + "/{a,b}/*.png")
+
+
+def test_a_text_list_may_start_with_a_byte_order_mark(tmp_path):
+    image = save_image(tmp_path / "imgs" / "b.jpg")
+    (tmp_path / "list.txt").write_bytes(b"\xef\xbb\xbfimgs/b.jpg\n")
+    assert found(tmp_path / "list.txt") == [image]
+
+
+def test_an_unreadable_list_is_named_in_its_error(tmp_path):
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9.jpg\n")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "latin.txt")) + ".*UTF-8"):
+        found(tmp_path / "latin.txt")
+
+
+def test_a_bad_parquet_list_is_named_in_its_error(tmp_path):
+    pyarrow = import_or_skip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "broken.parquet"))):
+        found(tmp_path / "broken.parquet")
+    pq.write_table(pyarrow.table({"path": [b"a.jpg"]}), tmp_path / "binary.parquet")
+    with pytest.raises(ValueError, match="binary.parquet.*must hold strings"):
+        found(tmp_path / "binary.parquet")
+    pq.write_table(pyarrow.table({"file": ["a.jpg"]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other.parquet.*no column 'path' \(its columns: \['file'\]\)"):
+        found(tmp_path / "other.parquet")
+
+
+def write_tar(path, data: bytes) -> Sample:
+    info = tarfile.TarInfo("sample.jpg")
+    info.size = len(data)
+    temporary = path.with_suffix(".partial")
+    with tarfile.open(temporary, "w") as tar:
+        tar.addfile(info, io.BytesIO(data))
+    os.replace(temporary, path)
+    return Sample("sample", str(path), "sample.jpg", 512, len(data))
+
+
+def test_a_tar_written_again_is_read_anew(tmp_path):
+    """A later run in the same process (or a worker forked with the open
+    tars) reads the tar now at the path, not the one opened before."""
+    path = tmp_path / "shard.tar"
+    assert read_sample_bytes(write_tar(path, b"A" * 100)) == b"A" * 100
+    assert read_sample_bytes(write_tar(path, b"B" * 100)) == b"B" * 100

@@ -150,7 +150,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("epochs", "steps_per_epoch", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    try:
+        torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r}: {error}")
+    if args.checkpoint.exists() and not args.checkpoint.is_dir():
+        parser.error(f"--checkpoint {args.checkpoint} is a file, not a folder")
     return args
+
+
+# The arguments a resumed run must share with the run it continues: the
+# schedule's horizon and peak, and the random crops, follow from them.
+RUN_SETTINGS = ("epochs", "steps_per_epoch", "batch_size", "lr", "seed")
+
+
+def run_settings(args) -> dict:
+    return {name: getattr(args, name) for name in RUN_SETTINGS}
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -187,10 +206,13 @@ class Training:
 
     def load_state_dict(self, state: dict) -> None:
         for name in self.PARTS:
-            getattr(self, name).load_state_dict(state[name])
+            # A run without float16 autocast (the CPU, bfloat16) saves an empty
+            # scaler; resumed where float16 needs one, it starts afresh.
+            if name != "scaler" or state[name]:
+                getattr(self, name).load_state_dict(state[name])
 
 
-def save_checkpoint(folder: Path, epoch: int, model: TextureClassifier, training: Training) -> None:
+def save_checkpoint(folder: Path, epoch: int, model: TextureClassifier, training: Training, settings: dict) -> None:
     """Write epoch-N complete under a temporary name, rename it into place, then drop older epochs:
     the folder holds a whole checkpoint at every moment."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -200,7 +222,7 @@ def save_checkpoint(folder: Path, epoch: int, model: TextureClassifier, training
         shutil.rmtree(abandoned, ignore_errors=True)
     model.tokenizer.save_pretrained(staging / "tokenizer")
     safetensors.torch.save_file(model.rest_state_dict(), staging / "classifier.safetensors")
-    torch.save({"epoch": epoch, **training.state_dict()}, staging / "training.pt")
+    torch.save({"epoch": epoch, "settings": settings, **training.state_dict()}, staging / "training.pt")
     for name in ("classifier.safetensors", "training.pt"):  # on disk before the older epoch goes
         with open(staging / name, "rb") as file:
             os.fsync(file.fileno())
@@ -230,6 +252,17 @@ def load_checkpoint(folder: Path, device: torch.device, args) -> tuple[TextureCl
         raise SystemExit(f"train_classifier: {latest} does not match the model: {missing=} {unexpected=}")
     model.to(device)
     state = torch.load(latest / "training.pt", weights_only=True, map_location=device)
+    saved = state.get("settings", run_settings(args))  # checkpoints from before settings were saved: unchecked
+    changed = [
+        f"--{name.replace('_', '-')} {getattr(args, name)} (the checkpoint's: {saved[name]})"
+        for name in RUN_SETTINGS
+        if getattr(args, name) != saved[name]
+    ]
+    if changed:
+        raise SystemExit(
+            f"train_classifier: {latest} was trained with other settings: {', '.join(changed)}; "
+            "resume with the checkpoint's, or train into another --checkpoint"
+        )
     training = Training(model, device, args)
     training.load_state_dict(state)
     return model, training, state["epoch"]
@@ -285,7 +318,7 @@ def main(argv: list[str] | None = None) -> Result:
     speeds = []
     for epoch in range(done + 1, args.epochs + 1):
         speeds.append(train_epoch(model, training, train_regions, epoch, args, device))
-        save_checkpoint(args.checkpoint, epoch, model, training)
+        save_checkpoint(args.checkpoint, epoch, model, training, run_settings(args))
     images, labels = held_out_set(held_out_regions)
     result = Result(
         accuracy=accuracy(model, images, labels, device),
@@ -294,9 +327,10 @@ def main(argv: list[str] | None = None) -> Result:
         images_per_second=sum(speeds) / len(speeds) if speeds else 0.0,
         model=model,
     )
+    speed = f"{result.images_per_second:.0f} images/s on {device}" if speeds else "every epoch was already done"
     print(
         f"held-out accuracy after {result.epochs} epochs: {result.accuracy:.1%} of {result.held_out} crops "
-        f"(chance {1 / len(TEXTURES):.1%}); {result.images_per_second:.0f} images/s on {device}"
+        f"(chance {1 / len(TEXTURES):.1%}); {speed}"
     )
     return result
 

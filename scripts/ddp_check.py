@@ -9,9 +9,10 @@ One process per GPU where CUDA is available (NCCL), else CPU processes
 (gloo); --backend overrides. Every process builds the same model and the
 same global batch from one seed and trains on its own slice of it: one
 forward and backward through DDP (and, with --compile, through
-torch.compile of the DDP-wrapped model). Rank 0 then runs the plain model on
-the whole batch and compares every gradient; the script exits non-zero if any
-differs by more than float32 rounding.
+torch.compile of the DDP-wrapped model). Every rank then runs the plain model
+on the whole batch and compares its every gradient; the script exits non-zero
+if any rank's differs by more than float32 rounding (a NaN or Inf counts as a
+difference).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
+import math
 import os
 import sys
 
@@ -69,8 +72,44 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def worst_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest difference relative to the expected gradient's largest element, and its tensor."""
-    return max(((got[n] - e).abs().max().item() / e.abs().max().item(), n) for n, e in expected.items())
+    """The largest difference relative to the expected gradient's largest
+    element (absolute where that is zero), and its tensor; inf where a
+    difference is not finite."""
+    differences = []
+    for name, e in expected.items():
+        difference = (got[name] - e).abs().max().item() / (e.abs().max().item() or 1.0)
+        differences.append((difference if math.isfinite(difference) else math.inf, name))
+    return max(differences)
+
+
+def check(args: argparse.Namespace, backend: str, device: torch.device) -> int:
+    """This rank's part: its DDP gradients against one process's on the whole batch; 1 if any differs."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    images, target = global_batch(world_size, args)
+    mine = slice(rank * args.batch_per_process, (rank + 1) * args.batch_per_process)
+    model = VisualTokenizer(CONFIG, seed=0, backend="native").to(device)
+    checks = {"eager": DistributedDataParallel(copy.deepcopy(model))}
+    if args.compile:
+        checks["compiled"] = torch.compile(DistributedDataParallel(copy.deepcopy(model)), backend=args.compile_backend)
+    results = {}
+    for name, wrapped in checks.items():
+        loss_fn(wrapped, images[mine].to(device), target[mine].to(device)).backward()
+        results[name] = gradients(wrapped.module if name == "eager" else wrapped._orig_mod.module)
+    loss_fn(model, images.to(device), target.to(device)).backward()
+    expected = gradients(model)
+    failed = 0
+    for name, got in results.items():
+        worst, tensor = worst_difference(got, expected)
+        ok = worst <= TOLERANCE
+        failed += not ok
+        if rank == 0 or not ok:
+            print(
+                f"DDP {name}, {world_size} x {backend} on {device.type}, rank {rank}: largest gradient difference "
+                f"{worst:.1e} of the gradient's scale ({tensor}) against one process on the whole batch: "
+                + ("OK" if ok else f"FAILED (more than {TOLERANCE:.0e})"),
+                flush=True,
+            )
+    return int(failed != 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,38 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
         torch.backends.cudnn.allow_tf32 = False  # float32 on every side, so differences are rounding only
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        images, target = global_batch(world_size, args)
-        mine = slice(rank * args.batch_per_process, (rank + 1) * args.batch_per_process)
-        model = VisualTokenizer(CONFIG, seed=0, backend="native").to(device)
-        checks = {"eager": DistributedDataParallel(copy.deepcopy(model))}
-        if args.compile:
-            checks["compiled"] = torch.compile(
-                DistributedDataParallel(copy.deepcopy(model)), backend=args.compile_backend
-            )
-        results = {}
-        for name, wrapped in checks.items():
-            loss_fn(wrapped, images[mine].to(device), target[mine].to(device)).backward()
-            results[name] = gradients(wrapped.module if name == "eager" else wrapped._orig_mod.module)
-        failed = 0
-        if rank == 0:
-            loss_fn(model, images.to(device), target.to(device)).backward()
-            expected = gradients(model)
-            for name, got in results.items():
-                worst, tensor = worst_difference(got, expected)
-                ok = worst <= TOLERANCE
-                failed += not ok
-                print(
-                    f"DDP {name}, {world_size} x {backend} on {device.type}: largest gradient difference "
-                    f"{worst:.1e} of the gradient's scale ({tensor}) against one process on the whole batch: "
-                    + ("OK" if ok else f"FAILED (more than {TOLERANCE:.0e})"),
-                    flush=True,
-                )
-        verdict = torch.tensor([failed], device=device)
-        dist.broadcast(verdict, src=0)
-        return int(verdict.item() != 0)
+        verdict = torch.tensor([check(args, backend, device)], device=device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        return int(verdict.item())
     finally:
+        # The DDP models must be gone before their process group: destroying it
+        # under a live one made about one run in five abort at exit (SIGABRT).
+        torch.compiler.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -55,3 +55,52 @@ def test_train_classifier_checkpoints_each_epoch_and_resumes_exactly(tmp_path, n
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert resumed.accuracy == straight.accuracy
+
+
+@pytest.fixture
+def train_classifier():
+    return runpy.run_path(str(EXAMPLES / "train_classifier.py"))
+
+
+def test_train_classifier_refuses_a_resume_with_other_settings(tmp_path, train_classifier, native_ops):
+    main = train_classifier["main"]
+    common = ["--steps-per-epoch", "1", "--batch-size", "4", "--device", "cpu", "--checkpoint", str(tmp_path)]
+    main(["--epochs", "1", *common])
+    with pytest.raises(SystemExit, match=r"other settings: --epochs 2 \(the checkpoint's: 1\), --lr 0.5"):
+        main(["--epochs", "2", "--lr", "0.5", *common, "--resume"])
+    result = main(["--epochs", "1", *common, "--resume"])  # the same settings: nothing left to train
+    assert result.epochs == 1 and result.images_per_second == 0.0
+
+
+def test_train_classifier_resumes_an_unscaled_run_where_float16_needs_a_scaler(tmp_path, train_classifier):
+    """A checkpoint of a run without float16 autocast holds an empty GradScaler
+    state; a resume with an enabled scaler starts it afresh."""
+    model = torch.nn.Linear(2, 2)
+    args = train_classifier["parse_args"](["--device", "cpu"])
+    saved = train_classifier["Training"](model, torch.device("cpu"), args).state_dict()
+    assert saved["scaler"] == {}
+    training = train_classifier["Training"](model, torch.device("cpu"), args)
+    training.scaler = torch.amp.GradScaler("cpu", enabled=True)
+    training.load_state_dict(saved)
+    assert training.scaler.is_enabled() and training.scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "-1"], "--lr must be positive"),
+        (["--seed", str(10**17)], "--seed must be in"),
+        (["--device", "gpu0"], "--device 'gpu0'"),
+    ],
+)
+def test_train_classifier_bad_arguments_are_one_usage_line(argv, message, train_classifier, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_classifier["parse_args"](argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_classifier_checkpoint_must_be_a_folder(tmp_path, train_classifier, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        train_classifier["parse_args"](["--checkpoint", str(tmp_path / "file")])
+    assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err

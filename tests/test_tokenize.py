@@ -17,7 +17,7 @@ from conftest import HAS_CUDA
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, native
 from lumenbridge.config import KERNEL_SIZES
-from lumenbridge.testing import BASE, NARROW, compare_to_float64, many_tile_cases, tokenize_cases
+from lumenbridge.testing import BASE, NARROW, compare_to_float64, float64_model, many_tile_cases, tokenize_cases
 
 CASES = tokenize_cases()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -52,6 +52,21 @@ def test_the_half_type_rule_rejects_the_tokens_of_other_images(name, dtype):
         wrong = model.forward_layers(others, "reference")
     report = compare_to_float64(model, images, wrong, dtype)
     assert not report.ok and report.error > 10 * report.limit, report
+
+
+def test_the_float64_oracle_normalizes_with_the_exact_statistics():
+    """The model's float32 buffers round the pixel statistics (123.675 ->
+    123.67500305...); the oracle's must not, since the op uses the config's."""
+    model, images = CASES[0].model(), CASES[0].images()
+    model64 = float64_model(model).eval()
+    config = model.config
+    exact = (images.double() - torch.tensor(config.pixel_mean, dtype=torch.float64).view(1, -1, 1, 1)) / torch.tensor(
+        config.pixel_std, dtype=torch.float64
+    ).view(1, -1, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model64.forward_layers(images, "reference"), model64.forward_layers(exact, "reference"), rtol=0, atol=0
+        )
 
 
 def assert_within_twice_pytorch_error(case, dtype: torch.dtype, device: str) -> None:

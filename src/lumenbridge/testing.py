@@ -170,13 +170,23 @@ def tensor_report(output: torch.Tensor, reference: torch.Tensor, torch_output: t
     )
 
 
+def float64_model(model: VisualTokenizer) -> VisualTokenizer:
+    """A float64 CPU copy of model, with its pixel statistics exact: the
+    model's buffers hold them in its own dtype (float32 at best), while the op
+    normalizes with the configuration's values."""
+    model64 = copy.deepcopy(model).to("cpu", torch.float64)
+    for name, values in zip(("pixel_mean", "pixel_std"), (model.config.pixel_mean, model.config.pixel_std)):
+        getattr(model64, name).copy_(torch.tensor(values, dtype=torch.float64).view(1, -1, 1, 1))
+    return model64
+
+
 def compare_to_float64(
     model: VisualTokenizer, images: torch.Tensor, output: torch.Tensor, dtype: torch.dtype
 ) -> ErrorReport:
     """Errors of `output` (model(images) in dtype on some device) against a
     float64 CPU reference built from the same dtype-rounded weights and inputs."""
     device = output.device
-    model64 = copy.deepcopy(model).to("cpu", torch.float64)
+    model64 = float64_model(model)
     images64 = images.cpu() if images.dtype == torch.uint8 else images.cpu().to(torch.float64)
     model_dtype = copy.deepcopy(model).to(device, dtype)
     images_dtype = images if images.dtype == torch.uint8 else images.to(device, dtype)
@@ -222,7 +232,7 @@ def compare_gradients_to_float64(
     device, and of PyTorch's layer-by-layer reference in the same dtype and
     device, as the mean over COTANGENTS fresh random cotangents of the tokens
     of each one's largest absolute error."""
-    model64 = copy.deepcopy(model).to("cpu", torch.float64)
+    model64 = float64_model(model)
     model_dtype = copy.deepcopy(model).to(device, dtype)
     images64 = images.cpu() if images.dtype == torch.uint8 else images.cpu().to(torch.float64)
     images_dtype = images.to(device) if images.dtype == torch.uint8 else images.to(device, dtype)

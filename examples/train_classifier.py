@@ -251,7 +251,9 @@ def load_checkpoint(folder: Path, device: torch.device, args) -> tuple[TextureCl
     if missing or unexpected:
         raise SystemExit(f"train_classifier: {latest} does not match the model: {missing=} {unexpected=}")
     model.to(device)
-    state = torch.load(latest / "training.pt", weights_only=True, map_location=device)
+    # On the CPU: the optimizer moves its moments to the parameters' device and keeps the step counts
+    # where they are (AdamW reads a step count on a GPU with a sync per parameter).
+    state = torch.load(latest / "training.pt", weights_only=True, map_location="cpu")
     saved = state.get("settings", run_settings(args))  # checkpoints from before settings were saved: unchecked
     changed = [
         f"--{name.replace('_', '-')} {getattr(args, name)} (the checkpoint's: {saved[name]})"

@@ -424,6 +424,20 @@ def test_extent_past_32_bits_is_refused(cuda_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_nchw_gradients_refuse_channels_past_the_grid(cuda_kernels):
+    """The NCHW gradient kernels give each channel a row of the grid, which
+    the hardware caps at 65535 rows; the forward has no such limit."""
+    x = torch.randn(1, 65536, 4, 4, device="cuda")
+    weight = torch.randn(65536, 1, 3, 3, device="cuda")
+    grad = torch.randn_like(cuda_kernels.depthwise_conv2d(x, weight, None, 2))
+    with pytest.raises(RuntimeError, match="LumenBridge: the CUDA kernels cover at most 65535 channels, got 65536"):
+        cuda_kernels.depthwise_conv2d_backward_weight(grad, x, 3, 2)
+    with pytest.raises(RuntimeError, match="LumenBridge: the CUDA kernels cover at most 65535 channels, got 65536"):
+        cuda_kernels.depthwise_conv2d_backward_input(grad, weight, 2, [4, 4])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_more_than_2_to_the_31_elements(cuda_kernels, layout):
     """64-bit indexing: the last rows of a 2^31+ element tensor are right."""

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwad
 from conftest import HAS_CUDA
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, native
@@ -416,7 +417,6 @@ def _widen(tensors, index, tensor):
         (lambda a: {"strides": [2, 2, 2]}, "one entry per stage"),
         (lambda a: {"images": a["images"][0]}, "images must be 4-D"),
         (lambda a: {"images": a["images"].to(torch.int32)}, "images must be uint8"),
-        (lambda a: {"images": a["images"].transpose(2, 3)}, "contiguous NCHW or channels-last"),
         (lambda a: {"images": torch.zeros(1, 4, 32, 32, dtype=torch.uint8)}, r"stage 0 dw_weight must have shape \[4"),
         (lambda a: {"strides": [2, 3, 2, 2]}, "stride must be 1 or 2"),
         (lambda a: {"dw_weights": _widen(a["dw_weights"], 1, torch.zeros(12, 1, 5, 5))}, "stage 1 dw_weight"),
@@ -434,11 +434,16 @@ def _widen(tensors, index, tensor):
         (lambda a: {"token_norm_bias": None}, "given together"),
         (lambda a: {"token_norm_weight": torch.ones(41)}, r"token_norm_weight must have shape \[40\]"),
         (lambda a: {"eps": 0.0}, "eps must be positive"),
+        (lambda a: {"eps": -1e-9}, "eps must be positive in float32, got -1e-09"),
+        (lambda a: {"eps": 1e-300}, "eps must be positive in float32, got 1e-300"),
+        (lambda a: {"std": [1e-50, 1.0, 1.0]}, "channel 0's mean 120 and std 1e-50 do not normalize .* finite Float"),
+        (lambda a: {"mean": [1e39, 0.0, 0.0]}, "channel 0's mean 1e\\+39 .* finite Float"),
         (lambda a: {"mean": [1.0, 2.0]}, "one entry per image channel"),
         (lambda a: {"std": [1.0, 0.0, 1.0]}, "std entries must be positive"),
         (lambda a: {"std": [1.0, float("inf"), 1.0]}, "std entries must be positive and finite"),
         (lambda a: {"mean": [1.0, float("nan"), 1.0]}, "mean entries must be finite"),
         (lambda a: {"padded_size": [31, 32]}, "padded_size must be"),
+        (lambda a: {"padded_size": [2**31 - 65535, 32]}, "padded_size must be .* and at most 2147418111 each"),
         (lambda a: {"output_fmt": "NCL"}, "output_fmt must be one of NLC, NCHW, NHWC"),
         (lambda a: {"images": torch.randn(1, 3, 32, 32, dtype=torch.float64)}, "parameters' dtype"),
     ],
@@ -448,6 +453,51 @@ def test_gateway_rejects_bad_arguments(change, message, native_ops):
     args.update(change(args))
     with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):
         native_ops.tokenize(**args)
+
+
+def test_half_parameters_bound_the_statistics_by_their_range(native_ops):
+    """uint8 images are normalized in the parameters' dtype: float16 cannot
+    hold 255 / 1e-3, though float32 can."""
+    args = _arguments(std=[1e-3, 57.0, 57.0])
+    assert torch.isfinite(native_ops.tokenize(**args)).all()
+    for key in ("dw_weights", "dw_biases", "pw_weights", "pw_biases"):
+        args[key] = [t.half() for t in args[key]]
+    args["token_norm_weight"], args["token_norm_bias"] = (
+        args["token_norm_weight"].half(),
+        args["token_norm_bias"].half(),
+    )
+    with pytest.raises(RuntimeError, match="LumenBridge: channel 0's mean 120 and std 0.001 do not normalize"):
+        native_ops.tokenize(**args)
+
+
+def test_images_in_another_layout_are_made_dense_by_the_op(native_ops):
+    """A permuted view (an exported program's input, say, which no stride
+    guard densifies) gives the tokens of its dense copy."""
+    args = _arguments(images=torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8).transpose(2, 3))
+    assert not args["images"].is_contiguous() and not args["images"].is_contiguous(memory_format=torch.channels_last)
+    got = native_ops.tokenize(**args)
+    args["images"] = args["images"].contiguous()
+    torch.testing.assert_close(got, native_ops.tokenize(**args), rtol=0, atol=0)
+
+
+def test_an_exported_model_takes_images_in_another_layout(native_ops):
+    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    with torch.no_grad():
+        exported = torch.export.export(model, (torch.randn(2, 3, 32, 32),))
+        images = torch.randn(2, 3, 32, 32).transpose(2, 3)
+        torch.testing.assert_close(exported.module()(images), model(images), rtol=0, atol=0)
+
+
+def test_forward_mode_ad_is_refused_not_dropped(native_ops):
+    """The native ops have no forward-mode formula; a tangent would pass
+    through them lost (zero), so the gateway refuses it."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    images = torch.randn(1, 3, 32, 32)
+    with pytest.raises(RuntimeError, match="LumenBridge: .* carries a forward-mode AD tangent"):
+        torch.func.jvp(model, (images,), (torch.randn_like(images),))
+    weight = torch.randn(3, 1, 3, 3)
+    with fwad.dual_level(), pytest.raises(RuntimeError, match="LumenBridge: input carries a forward-mode AD tangent"):
+        native_ops.depthwise_conv2d(fwad.make_dual(images, torch.randn_like(images)), weight, None, 1)
 
 
 def test_gateway_rejects_mixed_devices(native_ops):

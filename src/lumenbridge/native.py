@@ -301,7 +301,7 @@ def tokenize_arguments(images: torch.Tensor, model) -> tuple:
     stage_norm, norm_weights, norm_biases = _stage_norm_arguments(model)
     token_norm = model._modules["token_norm"] if cfg.token_norm else None
     return (
-        images.contiguous(memory_format=memory_format_of(images)),
+        images,  # in any layout: the op makes other layouts than NCHW and NHWC dense itself
         dw_weights,
         dw_biases,
         pw_weights,

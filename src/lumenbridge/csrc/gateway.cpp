@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdio>
 #include <cmath>
 #include <atomic>
 
@@ -35,11 +36,14 @@ void check_dtype(const at::Tensor& t, const char* name) {
               "; supported are float32, float16 and bfloat16 (and float64 on the CPU)");
 }
 
+// Every tensor argument but a call's first passes here (check_4d sees that
+// one), so this also refuses tangents.
 void check_same_device(const at::Tensor& reference, const char* reference_name,
                        const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", text(t.device()),
               " but ", reference_name, " is on ", text(reference.device()),
               "; all tensors must be on the same device");
+  check_no_tangent(t, name);
 }
 
 void check_same_dtype(const at::Tensor& reference, const char* reference_name,
@@ -51,6 +55,7 @@ void check_same_dtype(const at::Tensor& reference, const char* reference_name,
 }
 
 void check_4d(const at::Tensor& t, const char* name) {
+  check_no_tangent(t, name);
   TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", text(t.dim()),
               "-D with shape ", text(t.sizes()));
   TORCH_CHECK(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
@@ -226,6 +231,20 @@ void check_vector(const at::Tensor& t, const char* name, int64_t length) {
   TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
 }
 
+// value as the parameters' dtype holds it (overflowing to infinity).
+double in_dtype(double value, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf:
+      return static_cast<float>(c10::Half(static_cast<float>(value)));
+    case at::kBFloat16:
+      return static_cast<float>(c10::BFloat16(static_cast<float>(value)));
+    case at::kFloat:
+      return static_cast<float>(value);
+    default:
+      return value;
+  }
+}
+
 // A parameter of the call: same device and dtype as the first depthwise weight.
 void check_parameter(const at::Tensor& t, const at::Tensor& reference, const std::string& name) {
   check_same_device(reference, "dw_weights[0]", t, name.c_str());
@@ -302,9 +321,10 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
               text(reference.sizes()));
   p.K = reference.size(2);
   check_kernel_size(p.K);
-  TORCH_CHECK(padded_size.size() == 2 && padded_size[0] >= p.H && padded_size[1] >= p.W,
-              "LumenBridge: padded_size must be [H, W] at least the image size ",
-              text({p.H, p.W}), ", got ", text(padded_size));
+  TORCH_CHECK(padded_size.size() == 2 && padded_size[0] >= p.H && padded_size[1] >= p.W &&
+                  padded_size[0] <= kMaxExtent && padded_size[1] <= kMaxExtent,
+              "LumenBridge: padded_size must be [H, W] at least the image size ", text({p.H, p.W}),
+              " and at most ", text(kMaxExtent), " each, got ", text(padded_size));
   p.Hp = padded_size[0];
   p.Wp = padded_size[1];
   int64_t channels = p.C, h = p.Hp, w = p.Wp;
@@ -344,17 +364,31 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
     p.token_norm_weight = *token_norm_weight;
     p.token_norm_bias = *token_norm_bias;
   }
-  TORCH_CHECK(eps > 0, "LumenBridge: eps must be positive, got ", std::to_string(eps));
+  // The norms compute in float32 at least, where a smaller eps is zero.
+  TORCH_CHECK(eps > 0 && (p.dtype == at::kDouble || static_cast<float>(eps) > 0),
+              "LumenBridge: eps must be positive", p.dtype == at::kDouble ? "" : " in float32", ", got ", text(eps));
   p.eps = eps;
   TORCH_CHECK(mean.size() == static_cast<size_t>(p.C) && std.size() == static_cast<size_t>(p.C),
               "LumenBridge: mean and std need one entry per image channel (", text(p.C), "), got ",
               text({static_cast<int64_t>(mean.size()), static_cast<int64_t>(std.size())}));
   for (double s : std) {
-    TORCH_CHECK(std::isfinite(s) && s > 0, "LumenBridge: std entries must be positive and finite, got ",
-                std::to_string(s));
+    TORCH_CHECK(std::isfinite(s) && s > 0, "LumenBridge: std entries must be positive and finite, got ", text(s));
   }
   for (double m : mean) {
-    TORCH_CHECK(std::isfinite(m), "LumenBridge: mean entries must be finite, got ", std::to_string(m));
+    TORCH_CHECK(std::isfinite(m), "LumenBridge: mean entries must be finite, got ", text(m));
+  }
+  if (p.uint8_input) {
+    for (int64_t c = 0; c < p.C; ++c) {
+      // Pixels 0..255 are normalized in the parameters' dtype (or in float
+      // with 1 / std): the statistics and what they map pixels to must be
+      // finite there, and std not zero.
+      const double reach = std::max(std::abs(mean[c]), std::abs(255.0 - mean[c])) / std[c];
+      const double rounded_std = in_dtype(std[c], p.dtype);
+      TORCH_CHECK(std::isfinite(in_dtype(mean[c], p.dtype)) && std::isfinite(rounded_std) && rounded_std > 0 &&
+                      std::isfinite(in_dtype(reach, p.dtype)),
+                  "LumenBridge: channel ", text(c), "'s mean ", text(mean[c]), " and std ", text(std[c]),
+                  " do not normalize pixel values 0..255 to finite ", text(p.dtype), " values");
+    }
   }
   p.mean.assign(mean.begin(), mean.end());
   p.std.assign(std.begin(), std.end());
@@ -362,6 +396,18 @@ TokenizeProblem check_tokenize(const at::Tensor& images, at::TensorList dw_weigh
       output_fmt, "output_fmt",
       {{"NLC", TokenFormat::NLC}, {"NCHW", TokenFormat::NCHW}, {"NHWC", TokenFormat::NHWC}});
   return p;
+}
+
+// Images in a layout the kernels do not read (a permuted view, say) are
+// copied to NCHW first (as layout.memory_format_of, which the fakes use,
+// says of them): the tokens do not depend on the layout, and an exported
+// program has no guard on its inputs' strides that would make the caller
+// copy them.
+at::Tensor dense_images(const at::Tensor& images) {
+  if (images.dim() != 4 || images.is_contiguous() || images.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return images;
+  }
+  return images.contiguous();
 }
 
 // tokenize's and tokenize_for_training's entry (the same arguments).
@@ -372,11 +418,11 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
                     at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
                     const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
                     at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
-  return kernel(images, check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases,
-                                       strides, std::string(activation), std::string(stage_norm),
-                                       norm_weights, norm_biases, token_norm_weight,
-                                       token_norm_bias, eps, mean, std, padded_size,
-                                       std::string(output_fmt)));
+  const at::Tensor dense = dense_images(images);
+  return kernel(dense, check_tokenize(dense, dw_weights, dw_biases, pw_weights, pw_biases, strides,
+                                      std::string(activation), std::string(stage_norm), norm_weights,
+                                      norm_biases, token_norm_weight, token_norm_bias, eps, mean, std,
+                                      padded_size, std::string(output_fmt)));
 }
 
 // One list tokenize_for_training saved, handed back: entry k has sizes(k).
@@ -439,13 +485,14 @@ TokenizeBackwardResult tokenize_backward_entry(
     double eps, at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
     c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
     std::array<bool, 2> output_mask) {
+  const at::Tensor dense = dense_images(images);
   const TokenizeProblem p = check_tokenize_backward(
-      grad_tokens, images,
-      check_tokenize(images, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
+      grad_tokens, dense,
+      check_tokenize(dense, dw_weights, dw_biases, pw_weights, pw_biases, strides, std::string(activation),
                      std::string(stage_norm), norm_weights, norm_biases, token_norm_weight, token_norm_bias,
                      eps, mean, std, padded_size, std::string(output_fmt)),
       saved_rows, saved_outputs, output_mask);
-  TokenizeGrads g = kernel(grad_tokens, images, p, {output_mask[0], output_mask[1]},
+  TokenizeGrads g = kernel(grad_tokens, dense, p, {output_mask[0], output_mask[1]},
                            SavedForward{saved_rows.vec(), saved_outputs.vec()});
   std::vector<at::Tensor> grad_images, token_norm;
   if (g.images.defined()) grad_images.push_back(g.images);
@@ -504,7 +551,20 @@ std::string tokenize_path(at::ScalarType dtype, int64_t in_channels, at::IntArra
 
 }  // namespace
 
+void check_no_tangent(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(), "LumenBridge: ", name,
+              " carries a forward-mode AD tangent, which the native ops do not propagate; "
+              "backend=\"reference\" supports forward-mode AD");
+}
+
 std::string text(int64_t value) { return std::to_string(value); }
+
+// Six significant digits, so that a tiny value is not printed as 0.000000.
+std::string text(double value) {
+  std::array<char, 32> buffer{};
+  std::snprintf(buffer.data(), buffer.size(), "%.6g", value);
+  return buffer.data();
+}
 
 std::string text(at::IntArrayRef values) {
   std::string joined = "[";

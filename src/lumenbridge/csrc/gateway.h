@@ -5,6 +5,8 @@
 
 #include <torch/types.h>
 
+#include <limits>
+
 namespace lumenbridge {
 
 // Memory layouts the kernels read natively. Anything else is rejected by the
@@ -24,6 +26,12 @@ struct DepthwiseProblem {
   }
 };
 
+// The largest extent the kernels take: they hold channels, heights, widths
+// and tile coordinates in 32-bit integers (offsets into tensors are 64-bit),
+// and coordinates run a tile past an extent, so extents stop short of 2^31
+// by a margin wider than any tile.
+constexpr int64_t kMaxExtent = std::numeric_limits<int32_t>::max() - 65536;
+
 // Output extent of one spatial dimension (native.py mirrors it for fake tensors).
 inline int64_t depthwise_output_extent(int64_t in, int64_t K, int64_t stride) {
   return (in + 2 * (K / 2) - K) / stride + 1;
@@ -35,9 +43,18 @@ inline int64_t depthwise_output_extent(int64_t in, int64_t K, int64_t stride) {
 // number is streamed into libtorch's message builder (seen on a CUDA image
 // whose default g++ does this).
 std::string text(int64_t value);
+inline std::string text(int value) { return text(static_cast<int64_t>(value)); }
+std::string text(double value);
 std::string text(at::IntArrayRef values);
 std::string text(at::ScalarType dtype);
 std::string text(const at::Device& device);
+
+// Forward-mode AD would pass through the kernels with its tangents dropped,
+// so a tensor that carries one is refused: by the kernels' checks
+// (torch.autograd.forward_ad's dual tensors reach them), and by the tokenize
+// ops' autograd kernels, which see torch.func.jvp's tensors before functorch
+// unwraps them.
+void check_no_tangent(const at::Tensor& t, const char* name);
 
 // Allocates a kernel output through ATen (so CUDA graphs and the caching
 // allocator see it). When poisoning is on (tests only, via the op

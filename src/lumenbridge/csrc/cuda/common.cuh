@@ -105,12 +105,18 @@ void dispatch_vector_width(int vec, Body&& body) {
                                      AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
 // Shared memory a block may opt in to on the current device (static and
-// dynamic together): kMaxSharedBytes on sm_90, less on other GPUs.
+// dynamic together): kMaxSharedBytes on sm_90, less on other GPUs. Asked of
+// the runtime once per device: every tokenize call consults it.
 inline size_t max_shared_bytes_per_block() {
+  static std::mutex mutex;
+  static std::map<int, size_t> known;
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(device);
+  if (found != known.end()) return found->second;
   int bytes = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
-  return static_cast<size_t>(bytes);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return known[device] = static_cast<size_t>(bytes);
 }
 
 // Static plus dynamic shared memory past 48 KB must be opted into per
@@ -126,6 +132,10 @@ void allow_shared_bytes(Kernel kernel, size_t bytes) {
   const std::lock_guard<std::mutex> lock(mutex);
   size_t& limit = limits[{reinterpret_cast<const void*>(kernel), c10::cuda::current_device()}];
   if (bytes <= limit) return;
+  TORCH_CHECK(bytes <= max_shared_bytes_per_block(), "LumenBridge: this GPU gives a block at most ",
+              text(static_cast<int64_t>(max_shared_bytes_per_block())), " bytes of shared memory; the kernel for ",
+              "this call needs ", text(static_cast<int64_t>(bytes)),
+              " (backend=\"reference\" runs PyTorch's convolutions instead)");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
   limit = bytes;
@@ -151,15 +161,14 @@ inline unsigned grid_y(int64_t extent, const char* what) {
   return static_cast<unsigned>(extent);
 }
 
-// The kernels hold C, H, W and tile coordinates in 32-bit integers (offsets
-// into the tensors are 64-bit). Coordinates run a tile past an extent, so
-// extents stop short of 2^31 by a margin wider than any tile.
-constexpr int64_t kMaxExtent = std::numeric_limits<int32_t>::max() - 65536;
-
+// The kernels index the depthwise weight ([C, 1, K, K]) with 32-bit integers too.
 inline void check_extents_fit_int(const DepthwiseProblem& p) {
   TORCH_CHECK(p.C <= kMaxExtent && p.H <= kMaxExtent && p.W <= kMaxExtent,
               "LumenBridge: the CUDA kernels take channels, height and width up to ",
               text(kMaxExtent), " each, got [C, H, W] = ", text({p.C, p.H, p.W}));
+  TORCH_CHECK(p.C * p.K * p.K <= std::numeric_limits<int32_t>::max(),
+              "LumenBridge: the CUDA kernels take depthwise weights of fewer than 2^31 elements, got ",
+              text({p.C, 1, p.K, p.K}));
 }
 
 // Calls launch(first_image, image_count) for slices of the batch that fit grid z.

@@ -343,7 +343,8 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
   const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
   for (int tile0 = tile_begin + warp * kNTiles; tile0 < tile_end; tile0 += warps * kNTiles) {
     // Element offsets of the lane's B rows (the weight has fewer than 2^31
-    // elements: the gateway checks every tensor's size).
+    // elements: a block's shared memory holds rows of its input and output
+    // widths, so neither passes a few thousand).
     int b_row[kNTiles];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) b_row[j] = ((tile0 + j) * 8 + group) * pw.in_channels + quad * 8;

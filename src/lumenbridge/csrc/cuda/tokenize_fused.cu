@@ -765,17 +765,29 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   return g;
 }
 
-// Whether every offset load_image_window forms fits its int: a slot's row
-// (up to the last slot's, below the window when its side is smaller than
-// the widest) times the images' row step, plus a column within the window
-// times the pixel step.
+// Whether every offset load_image_window forms fits its int. An offset is
+// from the window's corner to the clamped pixel a slot reads: at most a
+// slot's row (up to the last slot's, below the window when its side is
+// smaller than the widest) plus, for a window in the padding below or right
+// of the image, the padding's extent, times the images' row step; likewise
+// in columns times the pixel step.
 bool window_offsets_fit(const TokenizeProblem& p) {
   const int side = image_window_side(static_cast<int>(p.K), static_cast<int>(p.stages[0].stride),
                                      static_cast<int>(p.stages[1].stride));
   const int64_t last_row = (int64_t{window_slots(static_cast<int>(p.K))} * kThreads - 1) / side;
   const bool nhwc = p.layout == Layout::NHWC;
   const int64_t row_step = nhwc ? p.W * p.C : p.W, pixel_step = nhwc ? p.C : 1;
-  return last_row * row_step + (side - 1) * pixel_step <= std::numeric_limits<int32_t>::max();
+  const int64_t rows = last_row + side + (p.Hp - p.H), columns = side + (p.Wp - p.W);
+  return rows * row_step + columns * pixel_step <= std::numeric_limits<int32_t>::max();
+}
+
+// Whether every stage's output plane has fewer than 2^31 pixels: the stage
+// kernels find a pixel's row and column from its 32-bit place in its plane.
+bool planes_fit(const TokenizeProblem& p) {
+  for (const TokenizeStage& s : p.stages) {
+    if (s.out_h * s.out_w > std::numeric_limits<int32_t>::max()) return false;
+  }
+  return true;
 }
 
 size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
@@ -793,7 +805,7 @@ struct StageLayout {
 StageLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
   const size_t out_tile = out_tile_bytes(out_channels, elem), taps = taps_with_bias_bytes(K, k_padded, elem);
   const SharedLayout apart = shared_layout(k_padded, out_tile + taps, out_channels, elem);
-  if (apart.total + sizeof(RowSource) <= static_cast<size_t>(kMaxSharedBytes)) {
+  if (apart.total + sizeof(RowSource) <= max_shared_bytes_per_block()) {
     return {apart, apart.region_offset + out_tile, false};
   }
   const SharedLayout shared = shared_layout(k_padded, taps, out_channels, elem);
@@ -1143,7 +1155,7 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
                                                    static_cast<int>(strides[1]), k_padded, out_channels, elem),
                                     k_padded, out_channels, elem)
                : stage_shared_bytes(stage_layout(K, k_padded, out_channels, elem));
-    if (bytes > static_cast<size_t>(kMaxSharedBytes)) {
+    if (bytes > max_shared_bytes_per_block()) {
       return "stage " + text(static_cast<int64_t>(i)) + " (" + text(widths[i - 1]) + " -> " +
              text(widths[i]) + " channels) needs more shared memory than a block has";
     }
@@ -1164,17 +1176,18 @@ bool fused_covers(const TokenizeProblem& p) {
     strides.push_back(s.stride);
   }
   if (!fused_unsupported_reason(p.dtype, p.C, widths, p.K, strides, p.stage_norm).empty()) return false;
-  if (!fused::window_offsets_fit(p)) {
-    TORCH_WARN_ONCE("LumenBridge: images ", p.W, " pixels wide run the composed kernels: the fused kernels ",
-                    "address an image window of rows that wide with 32-bit offsets");
+  if (!fused::window_offsets_fit(p) || !fused::planes_fit(p)) {
+    TORCH_WARN_ONCE("LumenBridge: images of ", text({p.H, p.W}), " pixels padded to ", text({p.Hp, p.Wp}),
+                    " run the composed kernels: the fused kernels address an image window and each stage's ",
+                    "output plane with 32-bit offsets");
     return false;
   }
   return true;
 }
 
 at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
-  TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62) && p.H <= kMaxExtent && p.W <= kMaxExtent,
-              "LumenBridge: images too large for the fused kernels, got ", text({p.N, p.C, p.H, p.W}));
+  TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62), "LumenBridge: images too large for the fused kernels, got ",
+              text({p.N, p.C, p.H, p.W}));
   at::Tensor result;
   const auto run = [&](auto element) {
     using T = decltype(element);

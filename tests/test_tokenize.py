@@ -493,10 +493,13 @@ def test_forward_mode_ad_is_refused_not_dropped(native_ops):
     through them lost (zero), so the gateway refuses it."""
     model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
     images = torch.randn(1, 3, 32, 32)
-    with pytest.raises(RuntimeError, match="LumenBridge: .* carries a forward-mode AD tangent"):
+    with pytest.raises(RuntimeError, match="LumenBridge: an argument carries a forward-mode AD tangent"):
         torch.func.jvp(model, (images,), (torch.randn_like(images),))
     weight = torch.randn(3, 1, 3, 3)
-    with fwad.dual_level(), pytest.raises(RuntimeError, match="LumenBridge: input carries a forward-mode AD tangent"):
+    with (
+        fwad.dual_level(),
+        pytest.raises(RuntimeError, match="LumenBridge: an argument carries a forward-mode AD tangent"),
+    ):
         native_ops.depthwise_conv2d(fwad.make_dual(images, torch.randn_like(images)), weight, None, 1)
 
 

@@ -150,13 +150,8 @@ Result tokenize_autograd(const at::Tensor& images, at::TensorList dw_weights, at
                          const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
                          at::ArrayRef<double> std, c10::SymIntArrayRef padded_size, c10::string_view output_fmt) {
   using Function = TokenizeFunction<name, Result>;
-  check_no_tangent(images, "images");
-  for (const at::TensorList list : {dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases}) {
-    for (const at::Tensor& t : list) check_no_tangent(t, "a parameter");
-  }
-  for (const auto& t : {token_norm_weight, token_norm_bias}) {
-    if (t.has_value()) check_no_tangent(*t, "a parameter");
-  }
+  check_no_tangents({images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases,
+                     as_list(token_norm_weight), as_list(token_norm_bias)});
   // Grad mode on and a tensor argument requiring grad, as PyTorch's own kernels decide.
   const bool records = torch::autograd::compute_requires_grad(
       images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases, token_norm_weight,

@@ -6,6 +6,7 @@
 // variants would throw from this library, which on toolchains that link their
 // own libstdc++ into it means a second exception runtime.
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/forward_grad.h>
 #include <torch/library.h>
 
 #include <array>
@@ -36,14 +37,11 @@ void check_dtype(const at::Tensor& t, const char* name) {
               "; supported are float32, float16 and bfloat16 (and float64 on the CPU)");
 }
 
-// Every tensor argument but a call's first passes here (check_4d sees that
-// one), so this also refuses tangents.
 void check_same_device(const at::Tensor& reference, const char* reference_name,
                        const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device() == reference.device(), "LumenBridge: ", name, " is on ", text(t.device()),
               " but ", reference_name, " is on ", text(reference.device()),
               "; all tensors must be on the same device");
-  check_no_tangent(t, name);
 }
 
 void check_same_dtype(const at::Tensor& reference, const char* reference_name,
@@ -55,7 +53,6 @@ void check_same_dtype(const at::Tensor& reference, const char* reference_name,
 }
 
 void check_4d(const at::Tensor& t, const char* name) {
-  check_no_tangent(t, name);
   TORCH_CHECK(t.dim() == 4, "LumenBridge: ", name, " must be 4-D [N, C, H, W], got ", text(t.dim()),
               "-D with shape ", text(t.sizes()));
   TORCH_CHECK(t.size(1) >= 1 && t.size(2) >= 1 && t.size(3) >= 1, "LumenBridge: ", name,
@@ -189,12 +186,14 @@ DepthwiseProblem check_backward_weight(const at::Tensor& grad_output, const at::
 template <auto kernel>
 at::Tensor forward_entry(const at::Tensor& input, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias, int64_t stride) {
+  check_no_tangents({input, weight, as_list(bias)});
   return kernel(input, weight, bias, check_forward(input, weight, bias, stride));
 }
 
 template <auto kernel>
 at::Tensor backward_input_entry(const at::Tensor& grad_output, const at::Tensor& weight,
                                 int64_t stride, at::IntArrayRef input_size) {
+  check_no_tangents({grad_output, weight});
   return kernel(grad_output, weight, check_backward_input(grad_output, weight, stride, input_size));
 }
 
@@ -202,6 +201,7 @@ template <auto kernel>
 std::tuple<at::Tensor, at::Tensor> backward_weight_entry(const at::Tensor& grad_output,
                                                          const at::Tensor& input,
                                                          int64_t kernel_size, int64_t stride) {
+  check_no_tangents({grad_output, input});
   return kernel(grad_output, input,
                 check_backward_weight(grad_output, input, kernel_size, stride));
 }
@@ -418,6 +418,8 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
                     at::TensorList norm_biases, const c10::optional<at::Tensor>& token_norm_weight,
                     const c10::optional<at::Tensor>& token_norm_bias, double eps, at::ArrayRef<double> mean,
                     at::ArrayRef<double> std, at::IntArrayRef padded_size, c10::string_view output_fmt) {
+  check_no_tangents({images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases,
+                     as_list(token_norm_weight), as_list(token_norm_bias)});
   const at::Tensor dense = dense_images(images);
   return kernel(dense, check_tokenize(dense, dw_weights, dw_biases, pw_weights, pw_biases, strides,
                                       std::string(activation), std::string(stage_norm), norm_weights,
@@ -485,6 +487,8 @@ TokenizeBackwardResult tokenize_backward_entry(
     double eps, at::ArrayRef<double> mean, at::ArrayRef<double> std, at::IntArrayRef padded_size,
     c10::string_view output_fmt, at::TensorList saved_rows, at::TensorList saved_outputs,
     std::array<bool, 2> output_mask) {
+  check_no_tangents({grad_tokens, images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases,
+                     as_list(token_norm_weight), as_list(token_norm_bias)});
   const at::Tensor dense = dense_images(images);
   const TokenizeProblem p = check_tokenize_backward(
       grad_tokens, dense,
@@ -551,11 +555,18 @@ std::string tokenize_path(at::ScalarType dtype, int64_t in_channels, at::IntArra
 
 }  // namespace
 
-void check_no_tangent(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(), "LumenBridge: ", name,
-              " carries a forward-mode AD tangent, which the native ops do not propagate; "
-              "backend=\"reference\" supports forward-mode AD");
+void check_no_tangents(std::initializer_list<at::TensorList> arguments) {
+  if (!torch::autograd::ForwardADLevel::try_get_by_idx(0)) return;  // no dual level open: no tangent anywhere
+  for (const at::TensorList& list : arguments) {
+    for (const at::Tensor& t : list) {
+      TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
+                  "LumenBridge: an argument carries a forward-mode AD tangent, which the native ops do not "
+                  "propagate; backend=\"reference\" supports forward-mode AD");
+    }
+  }
 }
+
+at::TensorList as_list(const c10::optional<at::Tensor>& t) { return t.has_value() ? at::TensorList(*t) : at::TensorList(); }
 
 std::string text(int64_t value) { return std::to_string(value); }
 

@@ -5,6 +5,7 @@
 
 #include <torch/types.h>
 
+#include <initializer_list>
 #include <limits>
 
 namespace lumenbridge {
@@ -50,11 +51,13 @@ std::string text(at::ScalarType dtype);
 std::string text(const at::Device& device);
 
 // Forward-mode AD would pass through the kernels with its tangents dropped,
-// so a tensor that carries one is refused: by the kernels' checks
+// so tensors that carry one are refused: at the ops' entries
 // (torch.autograd.forward_ad's dual tensors reach them), and by the tokenize
 // ops' autograd kernels, which see torch.func.jvp's tensors before functorch
-// unwraps them.
-void check_no_tangent(const at::Tensor& t, const char* name);
+// unwraps them. Where no dual level is open (the usual case) this is one
+// lookup, not one per tensor.
+void check_no_tangents(std::initializer_list<at::TensorList> arguments);
+at::TensorList as_list(const c10::optional<at::Tensor>& t);
 
 // Allocates a kernel output through ATen (so CUDA graphs and the caching
 // allocator see it). When poisoning is on (tests only, via the op

@@ -12,7 +12,7 @@ import pytest
 from conftest import import_or_skip
 from PIL import Image
 
-from lumenbridge.sources import Sample, expand_inputs, read_sample_bytes
+from lumenbridge.sources import Input, build_plan, expand_inputs, read_sample_bytes
 
 
 def save_image(path, size=(20, 16), color=(200, 100, 50)):
@@ -124,19 +124,46 @@ def test_a_bad_parquet_list_is_named_in_its_error(tmp_path):
         found(tmp_path / "other.parquet")
 
 
-def write_tar(path, data: bytes) -> Sample:
+def write_tar(path, data: bytes) -> None:
     info = tarfile.TarInfo("sample.jpg")
     info.size = len(data)
     temporary = path.with_suffix(".partial")
     with tarfile.open(temporary, "w") as tar:
         tar.addfile(info, io.BytesIO(data))
     os.replace(temporary, path)
-    return Sample("sample", str(path), "sample.jpg", 512, len(data))
 
 
-def test_a_tar_written_again_is_read_anew(tmp_path):
-    """A later run in the same process (or a worker forked with the open
-    tars) reads the tar now at the path, not the one opened before."""
+def test_a_tar_written_again_is_read_anew_by_a_later_plan(tmp_path):
+    """A later run in the same process plans again, and reads the tar now at
+    the path, not the one opened before (nor through a forked worker's copy
+    of the open descriptors)."""
     path = tmp_path / "shard.tar"
-    assert read_sample_bytes(write_tar(path, b"A" * 100)) == b"A" * 100
-    assert read_sample_bytes(write_tar(path, b"B" * 100)) == b"B" * 100
+    write_tar(path, b"A" * 100)
+    [sample] = build_plan([Input("tar", str(path))])
+    assert read_sample_bytes(sample) == b"A" * 100
+    write_tar(path, b"B" * 100)
+    [sample] = build_plan([Input("tar", str(path))])
+    assert read_sample_bytes(sample) == b"B" * 100
+
+
+def test_a_listed_file_named_again_is_read_once(tmp_path):
+    image = save_image(tmp_path / "real" / "a.jpg")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    (tmp_path / "list.txt").write_text("link/a.jpg\n")
+    linked = str(tmp_path / "link" / "a.jpg")
+    assert found(linked, tmp_path / "list.txt") == [linked]
+    assert found(tmp_path / "list.txt", linked) == [linked]
+    assert found(tmp_path / "link", tmp_path / "list.txt", image) == [linked]
+
+
+def test_a_parquet_list_may_hold_a_categorical_or_string_view_column(tmp_path):
+    pyarrow = import_or_skip("pyarrow")
+    import pyarrow.parquet as pq
+
+    image = save_image(tmp_path / "imgs" / "a.jpg")
+    columns = [pyarrow.array(["imgs/a.jpg"]).dictionary_encode()]
+    if hasattr(pyarrow, "string_view"):
+        columns.append(pyarrow.array(["imgs/a.jpg"], type=pyarrow.string_view()))
+    for number, column in enumerate(columns):
+        pq.write_table(pyarrow.table({"path": column}), tmp_path / f"list{number}.parquet")
+        assert found(tmp_path / f"list{number}.parquet") == [image]

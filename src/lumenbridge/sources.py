@@ -138,7 +138,13 @@ def read_parquet_list(path: str) -> list[str]:
         if PARQUET_PATH_COLUMN not in schema.names:
             raise ValueError(f"it has no column {PARQUET_PATH_COLUMN!r} (its columns: {schema.names})")
         kind = schema.field(PARQUET_PATH_COLUMN).type
-        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+        values = kind.value_type if pyarrow.types.is_dictionary(kind) else kind  # a categorical column
+        strings = (
+            pyarrow.types.is_string,
+            pyarrow.types.is_large_string,
+            getattr(pyarrow.types, "is_string_view", None),
+        )
+        if not any(test is not None and test(values) for test in strings):
             raise ValueError(f"its column {PARQUET_PATH_COLUMN!r} must hold strings, not {kind}")
         column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
     except (pyarrow.ArrowException, ValueError) as error:
@@ -157,19 +163,32 @@ def _list_entries(path: str, kind: str) -> list[Input]:
     return inputs
 
 
-def _shortest_path_to_each(paths: Iterable[str]) -> list[str]:
+def _real_path(path: str, known: dict[str, str]) -> str:
+    """os.path.realpath(path), remembered in `known` with each folder's (a
+    glob's or a folder's files share few folders, and expand_inputs asks
+    again of each match): a file costs one lstat, not one a component."""
+    if path not in known:
+        folder, name = os.path.split(path)
+        if folder not in known:
+            known[folder] = os.path.realpath(folder)
+        resolved = os.path.join(known[folder], name)
+        known[path] = os.path.realpath(resolved) if os.path.islink(resolved) else resolved
+    return known[path]
+
+
+def _shortest_path_to_each(paths: Iterable[str], known: dict[str, str]) -> list[str]:
     """Sorted paths, one to each file or folder: a recursive glob follows
     links to folders, up the tree too, and reaches the same file by ever
     longer paths; the one of fewest parts is kept."""
     shortest: dict[str, str] = {}
     for path in sorted(paths):
-        real = os.path.normcase(os.path.realpath(path))
+        real = os.path.normcase(_real_path(path, known))
         if real not in shortest or len(Path(path).parts) < len(Path(shortest[real]).parts):
             shortest[real] = path
     return sorted(shortest.values())
 
 
-def _expand_one(path: str) -> list[Input]:
+def _expand_one(path: str, known: dict[str, str]) -> list[Input]:
     if os.path.isfile(path):
         kind = _classify(path)
         if kind in ("list", "parquet"):
@@ -180,7 +199,7 @@ def _expand_one(path: str) -> list[Input]:
     if has_braces(path):
         expanded = []
         for each in expand_braces(path):
-            matches = _expand_one(each)
+            matches = _expand_one(each, known)
             if not matches:
                 problem = (
                     "has no image files"
@@ -195,7 +214,7 @@ def _expand_one(path: str) -> list[Input]:
     if not _GLOB_CHARACTERS.intersection(path):
         return []
     matches = []
-    for match in _shortest_path_to_each(glob.glob(path, recursive=True)):
+    for match in _shortest_path_to_each(glob.glob(path, recursive=True), known):
         if os.path.isdir(match):
             matches.extend(Input("file", os.path.abspath(image)) for image in images_in_folder(match))
         elif is_image_file(match):
@@ -209,24 +228,28 @@ def expand_inputs(paths: Sequence[str]) -> list[Input]:
     """Expands the command line's paths into image files and tar shards, in the
     order given, dropping repeats: a file reached again, by the same path or
     through links (a recursive glob follows links to folders, up the tree
-    too), is kept once, where first found. A file list's entries are compared
-    by path alone (resolving links would cost each of millions of entries
-    several system calls). Raises FileNotFoundError naming the first path
-    that yields nothing (a missing list file included), ValueError for a list
-    or tar that cannot be used."""
+    too), is kept once, where first found. A file list's entries are known
+    by their path alone (resolving links would cost each of millions of
+    entries system calls): one is a repeat where its path was met before,
+    as a path or as what a path resolved to. Raises FileNotFoundError naming
+    the first path that yields nothing (a missing list file included),
+    ValueError for a list or tar that cannot be used."""
     found: list[Input] = []
     seen = set()
+    known: dict[str, str] = {}  # real paths
     for path in paths:
         path = os.fspath(path)
-        matches = _expand_one(path)
+        matches = _expand_one(path, known)
         if not matches:
             raise FileNotFoundError(f"no image files found for {path!r}")
         listed = os.path.isfile(path) and _classify(path) in ("list", "parquet")
         for match in matches:
-            identity = (match.kind, os.path.normcase(match.path if listed else os.path.realpath(match.path)))
-            if identity not in seen:
-                seen.add(identity)
+            names = {(match.kind, os.path.normcase(match.path))}
+            if not listed:
+                names.add((match.kind, os.path.normcase(_real_path(match.path, known))))
+            if names.isdisjoint(seen):
                 found.append(match)
+            seen |= names
     return found
 
 
@@ -314,7 +337,10 @@ def scan_tars(paths: Sequence[str], threads: int = 8) -> list[list[Sample]]:
 
 def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sample]]] = scan_tars) -> list[Sample]:
     """The ordered samples of the inputs. `scan` lists the samples of the tars
-    (one list per tar); torchrun jobs pass one that shares the work between ranks."""
+    (one list per tar); torchrun jobs pass one that shares the work between ranks.
+    Tars opened for an earlier plan are closed first: their byte ranges are
+    this plan's."""
+    forget_open_tars()
     inputs = list(inputs)
     tars = [item.path for item in inputs if item.kind == "tar"]
     scanned = dict(zip(tars, scan(tars), strict=True)) if tars else {}
@@ -336,25 +362,30 @@ def plan_digest(plan: Iterable[Sample]) -> str:
     return digest.hexdigest()
 
 
-def read_sample_bytes(sample: Sample, _files: dict = {}) -> bytes:  # noqa: B006 - a per-process cache on purpose
+# Descriptors of the tars this process has read from, by path: a DataLoader
+# worker reads many samples of a tar, so each is opened once.
+_open_tars: dict[str, int] = {}
+
+
+def forget_open_tars() -> None:
+    """Closes the tars read so far (build_plan does, so that a tar written
+    again under its path since an earlier run in this process is read anew)."""
+    for descriptor in _open_tars.values():
+        os.close(descriptor)
+    _open_tars.clear()
+
+
+def read_sample_bytes(sample: Sample) -> bytes:
     """The encoded image of a sample: the whole file, or its tar member's bytes."""
     if sample.member is None:
         with open(sample.source, "rb") as file:
             return file.read()
-    # The tar's identity: a file written again under the same path (a later
-    # run in this process, or a worker forked with this cache) is opened anew.
-    status = os.stat(sample.source)
-    identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
-    cached = _files.get(sample.source)
-    if cached is None or cached[0] != identity:
-        if cached is not None:
-            os.close(_files.pop(sample.source)[1])
-        if len(_files) >= 64:
-            for _, old in _files.values():
-                os.close(old)
-            _files.clear()
-        cached = _files[sample.source] = (identity, os.open(sample.source, os.O_RDONLY))
-    data = os.pread(cached[1], sample.size, sample.offset)
+    descriptor = _open_tars.get(sample.source)
+    if descriptor is None:
+        if len(_open_tars) >= 64:
+            forget_open_tars()
+        descriptor = _open_tars[sample.source] = os.open(sample.source, os.O_RDONLY)
+    data = os.pread(descriptor, sample.size, sample.offset)
     if len(data) != sample.size:
         raise OSError(f"{sample.source}: the tar ends inside member {sample.member}")
     return data

@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/types.h>
 
+#include <array>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -106,17 +108,19 @@ void dispatch_vector_width(int vec, Body&& body) {
 
 // Shared memory a block may opt in to on the current device (static and
 // dynamic together): kMaxSharedBytes on sm_90, less on other GPUs. Asked of
-// the runtime once per device: every tokenize call consults it.
+// the runtime once per device and kept without a lock: every tokenize call
+// consults it several times (threads that race store the same value).
 inline size_t max_shared_bytes_per_block() {
-  static std::mutex mutex;
-  static std::map<int, size_t> known;
+  static std::array<std::atomic<size_t>, C10_COMPILE_TIME_MAX_GPUS> known{};
   const int device = c10::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find(device);
-  if (found != known.end()) return found->second;
-  int bytes = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return known[device] = static_cast<size_t>(bytes);
+  size_t bytes = known[device].load(std::memory_order_relaxed);
+  if (bytes == 0) {
+    int queried = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&queried, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    bytes = static_cast<size_t>(queried);
+    known[device].store(bytes, std::memory_order_relaxed);
+  }
+  return bytes;
 }
 
 // Static plus dynamic shared memory past 48 KB must be opted into per

@@ -231,15 +231,20 @@ void check_vector(const at::Tensor& t, const char* name, int64_t length) {
   TORCH_CHECK(t.is_contiguous(), "LumenBridge: ", name, " must be contiguous");
 }
 
-// value as the parameters' dtype holds it (overflowing to infinity).
+// value as the parameters' dtype holds it, overflowing to infinity (a
+// double past float's range is infinite first: converting it is undefined).
 double in_dtype(double value, at::ScalarType dtype) {
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
+  const float narrow = std::abs(value) <= std::numeric_limits<float>::max() ? static_cast<float>(value)
+                       : value > 0                                          ? kInfinity
+                                                                            : -kInfinity;
   switch (dtype) {
     case at::kHalf:
-      return static_cast<float>(c10::Half(static_cast<float>(value)));
+      return static_cast<float>(c10::Half(narrow));
     case at::kBFloat16:
-      return static_cast<float>(c10::BFloat16(static_cast<float>(value)));
+      return static_cast<float>(c10::BFloat16(narrow));
     case at::kFloat:
-      return static_cast<float>(value);
+      return narrow;
     default:
       return value;
   }

@@ -324,7 +324,7 @@ def bad_calls(device):
     ]
 
 
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", [*device_params(), "meta"])  # meta: the fakes run the gateway's checks
 @pytest.mark.parametrize("index", range(len(bad_calls("cpu"))), ids=[case[0] for case in bad_calls("cpu")])
 def test_gateway_rejects_bad_arguments(native_ops, device, index):
     _, call, message = bad_calls(device)[index]

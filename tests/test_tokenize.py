@@ -448,11 +448,27 @@ def _widen(tensors, index, tensor):
         (lambda a: {"images": torch.randn(1, 3, 32, 32, dtype=torch.float64)}, "parameters' dtype"),
     ],
 )
-def test_gateway_rejects_bad_arguments(change, message, native_ops):
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the fake kernel runs the gateway's checks
+def test_gateway_rejects_bad_arguments(change, message, device, native_ops):
     args = _arguments()
     args.update(change(args))
     with pytest.raises(RuntimeError, match=f"LumenBridge: .*{message}"):
-        native_ops.tokenize(**args)
+        native_ops.tokenize(**{name: _on(device, value) for name, value in args.items()})
+
+
+def _on(device: str, value):
+    """An argument of the op on device (tensors, and lists of them), with its
+    strides: a tensor elsewhere becomes an empty one of the same layout
+    (meta tensors hold no values)."""
+    if isinstance(value, torch.Tensor):
+        return (
+            value
+            if value.device.type == device
+            else value.new_empty_strided(value.shape, value.stride(), device=device)
+        )
+    if isinstance(value, list):
+        return [_on(device, v) for v in value]
+    return value
 
 
 def test_half_parameters_bound_the_statistics_by_their_range(native_ops):

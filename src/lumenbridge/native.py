@@ -38,15 +38,32 @@ def _depthwise_conv2d_backward_weight_fake(grad_output, input, kernel_size, stri
     return input.new_empty((c, 1, kernel_size, kernel_size)), input.new_empty((c,))
 
 
-def _on_one_device(fake):
-    """fake, first checking the devices as the gateway does: any argument on
-    'meta' sends a call to the fakes, so a call mixing 'meta' and CPU tensors
-    would otherwise return an uninitialized tensor instead of its error."""
+def _symbolic(values) -> bool:
+    """Whether any size or stride (or integer argument) is symbolic."""
+    for value in values:
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(
+            isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
+        ):
+            return True
+    return False
+
+
+def _checked(fake, check=None):
+    """fake, first running the gateway's checks (`check`, the op's checks
+    alone, where every size is known) or, with symbolic sizes, its device
+    check: any argument on 'meta' sends a call to the fakes, so a bad call
+    there would otherwise return a shape (or, mixing 'meta' and CPU tensors,
+    an uninitialized tensor) instead of its error."""
 
     @functools.wraps(fake)
     def checked(*arguments):
-        tensors = [t for a in arguments for t in (a if isinstance(a, (list, tuple)) else [a])]
-        devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+        values = [v for a in arguments for v in (a if isinstance(a, (list, tuple)) else [a])]
+        if check is not None and not _symbolic(values):
+            check(*arguments)
+            return fake(*arguments)
+        devices = {v.device for v in values if isinstance(v, torch.Tensor)}
         if len(devices) > 1:
             raise RuntimeError(
                 f"LumenBridge: the tensors are on {', '.join(sorted(map(str, devices)))}; "
@@ -239,14 +256,14 @@ def register_python_kernels() -> None:
             _backward_weight_setup,
         ),
     ):
-        torch.library.register_fake(f"lumenbridge::{name}", _on_one_device(fake))
+        torch.library.register_fake(f"lumenbridge::{name}", _checked(fake, getattr(ops, f"_check_{name}")))
         torch.library.register_autograd(f"lumenbridge::{name}", backward, setup_context=setup)
-    for name, fake in (
-        ("tokenize", _tokenize_fake),
-        ("tokenize_for_training", _tokenize_for_training_fake),
-        ("tokenize_backward", _tokenize_backward_fake),
+    for name, fake, check in (
+        ("tokenize", _tokenize_fake, ops._check_tokenize),
+        ("tokenize_for_training", _tokenize_for_training_fake, ops._check_tokenize),
+        ("tokenize_backward", _tokenize_backward_fake, None),
     ):
-        torch.library.register_fake(f"lumenbridge::{name}", _on_one_device(fake))
+        torch.library.register_fake(f"lumenbridge::{name}", _checked(fake, check))
     torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)
 
 

@@ -184,27 +184,33 @@ DepthwiseProblem check_backward_weight(const at::Tensor& grad_output, const at::
 // One entry point per op, instantiated once per device's kernels: the checks
 // run first, then the kernel, whatever the device.
 template <auto kernel>
-at::Tensor forward_entry(const at::Tensor& input, const at::Tensor& weight,
+auto forward_entry(const at::Tensor& input, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias, int64_t stride) {
   check_no_tangents({input, weight, as_list(bias)});
   return kernel(input, weight, bias, check_forward(input, weight, bias, stride));
 }
 
 template <auto kernel>
-at::Tensor backward_input_entry(const at::Tensor& grad_output, const at::Tensor& weight,
+auto backward_input_entry(const at::Tensor& grad_output, const at::Tensor& weight,
                                 int64_t stride, at::IntArrayRef input_size) {
   check_no_tangents({grad_output, weight});
   return kernel(grad_output, weight, check_backward_input(grad_output, weight, stride, input_size));
 }
 
 template <auto kernel>
-std::tuple<at::Tensor, at::Tensor> backward_weight_entry(const at::Tensor& grad_output,
+auto backward_weight_entry(const at::Tensor& grad_output,
                                                          const at::Tensor& input,
                                                          int64_t kernel_size, int64_t stride) {
   check_no_tangents({grad_output, input});
   return kernel(grad_output, input,
                 check_backward_weight(grad_output, input, kernel_size, stride));
 }
+
+// The fakes' kernels (native.py): the checks alone, so that a call on meta or
+// fake tensors of known sizes fails as it would on a device.
+void no_depthwise_kernel(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                         const DepthwiseProblem&) {}
+void no_backward_kernel(const at::Tensor&, const at::Tensor&, const DepthwiseProblem&) {}
 
 // ---- tokenize: the whole tokenizer -------------------------------------------
 
@@ -432,6 +438,8 @@ auto tokenize_entry(const at::Tensor& images, at::TensorList dw_weights, at::Ten
                                       padded_size, std::string(output_fmt)));
 }
 
+void no_tokenize_kernel(const at::Tensor&, const TokenizeProblem&) {}
+
 // One list tokenize_for_training saved, handed back: entry k has sizes(k).
 template <typename Sizes>
 void check_saved_list(const TokenizeProblem& p, at::TensorList saved, const char* list, Sizes sizes,
@@ -635,6 +643,21 @@ TORCH_LIBRARY(lumenbridge, m) {
         &tokenize_path);
   m.def("depthwise_row_width(int in_channels) -> int", &depthwise_row_width);
   m.def("_set_poison_outputs(bool enabled) -> ()", &set_poison_outputs);
+  // The checks alone, for the fakes: composite, so that they read the
+  // metadata of meta and fake tensors directly (of known sizes only).
+  m.def("_check_depthwise_conv2d(Tensor input, Tensor weight, Tensor? bias, int stride) -> ()",
+        &forward_entry<no_depthwise_kernel>);
+  m.def("_check_depthwise_conv2d_backward_input(Tensor grad_output, Tensor weight, int stride, "
+        "int[2] input_size) -> ()",
+        &backward_input_entry<no_backward_kernel>);
+  m.def("_check_depthwise_conv2d_backward_weight(Tensor grad_output, Tensor input, int kernel_size, "
+        "int stride) -> ()",
+        &backward_weight_entry<no_backward_kernel>);
+  m.def("_check_tokenize(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
+        "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
+        "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
+        "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> ()",
+        &tokenize_entry<no_tokenize_kernel>);
 }
 
 TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {

@@ -20,6 +20,11 @@ OUTPUT_FORMATS = ("NLC", "NCHW", "NHWC")
 KERNEL_SIZES = (3, 5, 7)
 
 
+def is_int(value) -> bool:
+    """Whether value is an int and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class TokenizerConfig:
     """Architecture of the tokenizer: len(stage_widths) stages, each a depthwise
@@ -80,9 +85,6 @@ class TokenizerConfig:
             )
 
     def _validate_types(self) -> None:
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
         def is_finite(value) -> bool:
             return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .config import is_int
+
 if TYPE_CHECKING:
     from .model import VisualTokenizer
 
@@ -124,7 +126,7 @@ def fit_token_budget(
     """
     if height < 1 or width < 1:
         raise ValueError(f"image size must be positive, got {height} x {width}")
-    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+    if not is_int(stride) or stride < 1:
         raise ValueError(f"stride must be a positive integer (the model's total_stride), got {stride!r}")
     for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
         if value is not None and value < 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import is_int
 from ..packing import PackedTokens
 
 
@@ -41,7 +42,7 @@ def qwen2_vl_image_data(
             f"image_embeds must be [{packed.tokens.shape[0]}, hidden size], one row per packed token; "
             f"got shape {tuple(embeds.shape)}"
         )
-    if not isinstance(spatial_merge_size, int) or isinstance(spatial_merge_size, bool) or spatial_merge_size < 1:
+    if not is_int(spatial_merge_size) or spatial_merge_size < 1:
         raise ValueError(f"spatial_merge_size must be an integer of at least 1, got {spatial_merge_size!r}")
     grid = packed.grid_hw.cpu()
     frames = torch.ones(len(grid), 1, dtype=torch.int64)

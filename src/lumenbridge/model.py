@@ -70,9 +70,10 @@ class SeparableStage(nn.Module):
         return self.norm(x)
 
 
-def pixel_statistics(cfg: TokenizerConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The normalization buffers, mean and std on the uint8 scale, shaped [1, C, 1, 1]."""
-    return tuple(torch.tensor(v).view(1, -1, 1, 1) for v in (cfg.pixel_mean, cfg.pixel_std))
+def pixel_statistics(cfg: TokenizerConfig, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalization buffers, mean and std on the uint8 scale, shaped [1, C, 1, 1]
+    (in the default dtype, or `dtype`)."""
+    return tuple(torch.tensor(v, dtype=dtype).view(1, -1, 1, 1) for v in (cfg.pixel_mean, cfg.pixel_std))
 
 
 class VisualTokenizer(nn.Module):

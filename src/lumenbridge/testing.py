@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import TokenizerConfig
-from .model import VisualTokenizer
+from .model import VisualTokenizer, pixel_statistics
 
 BASE = TokenizerConfig.preset("lumenbridge-base")
 # Narrow widths, none a multiple of 16 (two not even of 8), keep CPU runs fast
@@ -175,8 +175,9 @@ def float64_model(model: VisualTokenizer) -> VisualTokenizer:
     model's buffers hold them in its own dtype (float32 at best), while the op
     normalizes with the configuration's values."""
     model64 = copy.deepcopy(model).to("cpu", torch.float64)
-    for name, values in zip(("pixel_mean", "pixel_std"), (model.config.pixel_mean, model.config.pixel_std)):
-        getattr(model64, name).copy_(torch.tensor(values, dtype=torch.float64).view(1, -1, 1, 1))
+    mean, std = pixel_statistics(model.config, torch.float64)
+    model64.pixel_mean.copy_(mean)
+    model64.pixel_std.copy_(std)
     return model64
 
 

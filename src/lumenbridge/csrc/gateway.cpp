@@ -609,32 +609,27 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
   return out;
 }
 
+// Each op's arguments, spelled once: the ops and their checks alone (the
+// fakes' kernels) share them.
+#define LUMENBRIDGE_FORWARD_ARGUMENTS "(Tensor input, Tensor weight, Tensor? bias, int stride)"
+#define LUMENBRIDGE_BACKWARD_INPUT_ARGUMENTS "(Tensor grad_output, Tensor weight, int stride, int[2] input_size)"
+#define LUMENBRIDGE_BACKWARD_WEIGHT_ARGUMENTS "(Tensor grad_output, Tensor input, int kernel_size, int stride)"
+#define LUMENBRIDGE_TOKENIZE_ARGUMENTS                                                                   \
+  "Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, Tensor[] pw_biases, "  \
+  "int[] strides, str activation, str stage_norm, Tensor[] norm_weights, Tensor[] norm_biases, "       \
+  "Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, float[] mean, float[] std, "         \
+  "SymInt[2] padded_size, str output_fmt"
+
 TORCH_LIBRARY(lumenbridge, m) {
-  m.def("depthwise_conv2d(Tensor input, Tensor weight, Tensor? bias, int stride) -> Tensor");
+  m.def("depthwise_conv2d" LUMENBRIDGE_FORWARD_ARGUMENTS " -> Tensor");
+  m.def("depthwise_conv2d_backward_input" LUMENBRIDGE_BACKWARD_INPUT_ARGUMENTS " -> Tensor");
+  m.def("depthwise_conv2d_backward_weight" LUMENBRIDGE_BACKWARD_WEIGHT_ARGUMENTS " -> (Tensor, Tensor)");
+  m.def("tokenize(" LUMENBRIDGE_TOKENIZE_ARGUMENTS ") -> Tensor");
+  m.def("tokenize_for_training(" LUMENBRIDGE_TOKENIZE_ARGUMENTS
+        ") -> (Tensor tokens, Tensor[] saved_rows, Tensor[] saved_outputs)");
   m.def(
-      "depthwise_conv2d_backward_input(Tensor grad_output, Tensor weight, int stride, "
-      "int[2] input_size) -> Tensor");
-  m.def(
-      "depthwise_conv2d_backward_weight(Tensor grad_output, Tensor input, int kernel_size, "
-      "int stride) -> (Tensor, Tensor)");
-  m.def(
-      "tokenize(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
-      "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
-      "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-      "float[] mean, float[] std, SymInt[2] padded_size, str output_fmt) -> Tensor");
-  m.def(
-      "tokenize_for_training(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
-      "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
-      "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-      "float[] mean, float[] std, SymInt[2] padded_size, str output_fmt) -> "
-      "(Tensor tokens, Tensor[] saved_rows, Tensor[] saved_outputs)");
-  m.def(
-      "tokenize_backward(Tensor grad_tokens, Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, "
-      "Tensor[] pw_weights, Tensor[] pw_biases, int[] strides, str activation, str stage_norm, "
-      "Tensor[] norm_weights, Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, "
-      "float eps, float[] mean, float[] std, SymInt[2] padded_size, str output_fmt, Tensor[] saved_rows, "
-      "Tensor[] saved_outputs, "
-      "bool[2] output_mask) -> "
+      "tokenize_backward(Tensor grad_tokens, " LUMENBRIDGE_TOKENIZE_ARGUMENTS
+      ", Tensor[] saved_rows, Tensor[] saved_outputs, bool[2] output_mask) -> "
       "(Tensor[] grad_images, Tensor[] grad_dw_weights, Tensor[] grad_dw_biases, Tensor[] grad_pw_weights, "
       "Tensor[] grad_pw_biases, Tensor[] grad_norm_weights, Tensor[] grad_norm_biases, "
       "Tensor[] grad_token_norm)");
@@ -644,21 +639,20 @@ TORCH_LIBRARY(lumenbridge, m) {
   m.def("depthwise_row_width(int in_channels) -> int", &depthwise_row_width);
   m.def("_set_poison_outputs(bool enabled) -> ()", &set_poison_outputs);
   // The checks alone, for the fakes: composite, so that they read the
-  // metadata of meta and fake tensors directly (of known sizes only).
-  m.def("_check_depthwise_conv2d(Tensor input, Tensor weight, Tensor? bias, int stride) -> ()",
-        &forward_entry<no_depthwise_kernel>);
-  m.def("_check_depthwise_conv2d_backward_input(Tensor grad_output, Tensor weight, int stride, "
-        "int[2] input_size) -> ()",
+  // metadata of meta and fake tensors directly (of known sizes only: the
+  // fakes call them where no size is symbolic).
+  m.def("_check_depthwise_conv2d" LUMENBRIDGE_FORWARD_ARGUMENTS " -> ()", &forward_entry<no_depthwise_kernel>);
+  m.def("_check_depthwise_conv2d_backward_input" LUMENBRIDGE_BACKWARD_INPUT_ARGUMENTS " -> ()",
         &backward_input_entry<no_backward_kernel>);
-  m.def("_check_depthwise_conv2d_backward_weight(Tensor grad_output, Tensor input, int kernel_size, "
-        "int stride) -> ()",
+  m.def("_check_depthwise_conv2d_backward_weight" LUMENBRIDGE_BACKWARD_WEIGHT_ARGUMENTS " -> ()",
         &backward_weight_entry<no_backward_kernel>);
-  m.def("_check_tokenize(Tensor images, Tensor[] dw_weights, Tensor[] dw_biases, Tensor[] pw_weights, "
-        "Tensor[] pw_biases, int[] strides, str activation, str stage_norm, Tensor[] norm_weights, "
-        "Tensor[] norm_biases, Tensor? token_norm_weight, Tensor? token_norm_bias, float eps, "
-        "float[] mean, float[] std, int[2] padded_size, str output_fmt) -> ()",
-        &tokenize_entry<no_tokenize_kernel>);
+  m.def("_check_tokenize(" LUMENBRIDGE_TOKENIZE_ARGUMENTS ") -> ()", &tokenize_entry<no_tokenize_kernel>);
 }
+
+#undef LUMENBRIDGE_FORWARD_ARGUMENTS
+#undef LUMENBRIDGE_BACKWARD_INPUT_ARGUMENTS
+#undef LUMENBRIDGE_BACKWARD_WEIGHT_ARGUMENTS
+#undef LUMENBRIDGE_TOKENIZE_ARGUMENTS
 
 TORCH_LIBRARY_IMPL(lumenbridge, CPU, m) {
   m.impl("depthwise_conv2d", &forward_entry<cpu::depthwise_forward>);

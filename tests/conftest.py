@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from PIL import Image
 
 from lumenbridge import extension, native
 
@@ -25,6 +26,13 @@ def import_or_skip(name: str) -> ModuleType:
         return importlib.import_module(name)
     except (ImportError, RuntimeError) as error:
         pytest.skip(f"{name} cannot be imported here: {error}", allow_module_level=True)
+
+
+def save_image(path: Path, size=(20, 16), color=(200, 100, 50), mode="RGB") -> str:
+    """A small one-colour image at path (its folders made), as a str."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, color).save(path)
+    return str(path)
 
 
 def load_script(name: str, folder: str = "scripts") -> ModuleType:

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import save_image
 from PIL import Image
 
 from lumenbridge import images
@@ -18,12 +19,6 @@ from lumenbridge.images import (
     preprocess,
     sample_image_paths,
 )
-
-
-def save_image(path, size=(20, 16), color=(200, 100, 50), mode="RGB"):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new(mode, size, color).save(path)
-    return str(path)
 
 
 def save_truncated_png(path):

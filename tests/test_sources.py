@@ -9,16 +9,9 @@ import re
 import tarfile
 
 import pytest
-from conftest import import_or_skip
-from PIL import Image
+from conftest import import_or_skip, save_image
 
 from lumenbridge.sources import Input, build_plan, expand_inputs, read_sample_bytes
-
-
-def save_image(path, size=(20, 16), color=(200, 100, 50)):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, color).save(path)
-    return str(path)
 
 
 def found(*paths) -> list[str]:

@@ -75,8 +75,8 @@ struct BothGradientsTile : NhwcLanes {
   static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
   // Beside the dynamic buffers: the taps in float, and where FROM_ROWS the
   // pointwise terms in float, each thread's own slots at its pixels (pre,
-  // computed before the visit; then, in the GELU_PAIRS and FOLD instances,
-  // the slope and the gradient; after the pipeline, the fold's block sums)
+  // computed before the visit; then, in the FOLD instances, the gradient;
+  // after the pipeline, the fold's block sums)
   // and, for the fold in half types, g_d's B operand (fold_weights) and the
   // threads' fold constants (fold_lanes).
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
@@ -115,25 +115,6 @@ __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const Input
       x[2 * h + 1] = a.y;
     }
   }
-}
-
-// GELU at one pixel in bf16 / fp16, this thread's L channels: x = act(pre)
-// in float, and returns the slope act'(pre), packed, from the same tanh a
-// pair (gelu_pair_with_slope): evaluating the slope again at the store
-// would repeat the tanh and most of the polynomial.
-template <typename T, int L>
-__device__ __forceinline__ Vec<T, L> gelu_pixel_with_slope(const Vec<T, L>& pre, const GeluSlopeForm& form,
-                                                           float (&x)[L]) {
-  Vec<T, L> slopes;
-  const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
-  auto* out = reinterpret_cast<uint32_t*>(slopes.v);
-#pragma unroll
-  for (int h = 0; h < L / 2; ++h) {
-    const float2 a = unpack2<T>(gelu_pair_with_slope<T>(pairs[h], form, out[h]));
-    x[2 * h] = a.x;
-    x[2 * h + 1] = a.y;
-  }
-  return slopes;
 }
 
 // Where pre comes from: pre itself ([N, H, W, C]), or (FROM_ROWS) the rows
@@ -242,18 +223,15 @@ __device__ __forceinline__ void store_fold_partials(const float (&weight_sums)[2
   }
 }
 
-// GELU_PAIRS: bf16 / fp16 GELU, whose x and slope come from one tanh a pair
-// (gelu_pixel_with_slope); the slope then takes pre's place in the thread's
-// own slot (which nothing reads again) until the stores after the visit.
 // FOLD (with FROM_ROWS, half types): the narrow stage's pointwise backward
 // into `fold`, instead of the gradient of pre into grad_input.
-template <typename T, int K, bool FROM_ROWS, bool GELU_PAIRS, bool FOLD>
+template <typename T, int K, bool FROM_ROWS, bool FOLD>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                   BothGradientsTile<T, K, FROM_ROWS>::min_blocks())
     depthwise_backward_both_s2_nhwc_kernel(const T* __restrict__ grad_output, const T* __restrict__ weight,
                                            PreSource<T> source, T* grad_input,  // may be source.values
                                            float* __restrict__ partials, FoldTarget fold,
-                                           InputActivation activation, OutputSlope slope, int C, int H, int W,
+                                           InputActivation activation, int C, int H, int W,
                                            int Ho, int Wo, int grad_chunk, bool vector_stores, TileSpace<3> space,
                                            int items, int tiles_per_block, int chunks) {
   static_assert(!FOLD || (FROM_ROWS && !std::is_same_v<T, float>), "the fold reads the rows on the tensor cores");
@@ -335,7 +313,6 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 
   float sums[kSums][L] = {};
   float fold_sums[FOLD ? 2 : 1][4] = {};
-  static_assert(!GELU_PAIRS || !std::is_same_v<T, float>, "packed pairs of a half type");
   auto compute = [&](T* tile, const TileCursor<3>& t) {
     const auto window_pixel = [&](int la, int py, int px) {
       return tile + Tile::kPreAt + ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Pre::kSlab;
@@ -370,8 +347,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      // This thread's pre at a pixel (with GELU_PAIRS, once x is computed, the
-      // slope; with FOLD, after the stores' scaling, the gradient).
+      // This thread's pre at a pixel (with FOLD, after the stores' scaling,
+      // the gradient).
       const auto own_slot = [&](int py, int px) -> Vec<T, L>& {
         if constexpr (FROM_ROWS) {
           return own_slots[4 * q + 2 * py + px][tid];
@@ -386,11 +363,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       for (int py = 0; py < 2; ++py) {
 #pragma unroll
         for (int px = 0; px < 2; ++px) {
-          if constexpr (GELU_PAIRS) {
-            own_slot(py, px) = gelu_pixel_with_slope<T, L>(pre_at(py, px), slope.form, x[py][px]);
-          } else {
-            activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
-          }
+          activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
         }
       }
       float acc[2][2][L] = {};
@@ -413,36 +386,13 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll
           for (int px = 0; px < 2; ++px) {
             const bool inside = y + py < H && xs + px < W;
-            if constexpr (GELU_PAIRS) {
-              auto* pairs = reinterpret_cast<uint32_t*>(own_slot(py, px).v);
-#pragma unroll
-              for (int h = 0; h < L / 2; ++h) {
-                pairs[h] = inside ? scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], pairs[h]) : 0u;
-              }
-            } else {
-              own_slot(py, px) = inside ? slope_scaled<T, L>(acc[py][px], pre_at(py, px), slope) : zero_vec<T, L>();
-            }
+            own_slot(py, px) =
+                inside ? slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind) : zero_vec<T, L>();
           }
         }
-      } else if constexpr (GELU_PAIRS) {
-        Vec<T, L> values[2][2];
-#pragma unroll
-        for (int py = 0; py < 2; ++py) {
-#pragma unroll
-          for (int px = 0; px < 2; ++px) {
-            const auto* slopes = reinterpret_cast<const uint32_t*>(own_slot(py, px).v);
-            auto* pairs = reinterpret_cast<uint32_t*>(values[py][px].v);
-#pragma unroll
-            for (int h = 0; h < L / 2; ++h) {
-              pairs[h] = scaled_pair<T>(acc[py][px][2 * h], acc[py][px][2 * h + 1], slopes[h]);
-            }
-          }
-        }
-        T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
-        store_quad_values<T, L>(values, image, y, xs, H, W, C, c, vector_stores);
       } else {
         T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
-        store_quad<true, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, slope, pre_at);
+        store_quad<true, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, activation.kind, pre_at);
       }
     }
     if constexpr (FOLD) {
@@ -514,29 +464,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The kernel instance for an activation: GELU_PAIRS for GELU in half types.
-template <typename T, int K, bool FROM_ROWS, bool FOLD>
-auto both_kernel(Activation activation) {
-  constexpr bool kHalf = !std::is_same_v<T, float>;
-  return kHalf && activation == Activation::GELU ? depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, kHalf, FOLD>
-                                                 : depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, false, FOLD>;
-}
-
 template <typename T, int K, bool FROM_ROWS>
 void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const PreSource<T>& source,
                  Activation activation, T* grad_input, float* partials, const FoldTarget& fold,
                  const WorkSplit& split, int64_t slabs, const DepthwiseProblem& p, cudaStream_t stream) {
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
   constexpr bool kFoldable = FROM_ROWS && !std::is_same_v<T, float>;
-  const auto kernel = fold.partials != nullptr ? both_kernel<T, K, FROM_ROWS, kFoldable>(activation)
-                                               : both_kernel<T, K, FROM_ROWS, false>(activation);
+  const auto kernel = fold.partials != nullptr ? depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, kFoldable>
+                                               : depthwise_backward_both_s2_nhwc_kernel<T, K, FROM_ROWS, false>;
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
   const bool vector_stores = grad_input != nullptr && vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
   kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads, Tile::kSharedBytes,
            stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), source, grad_input, partials, fold,
-                     InputActivation{activation, activation_form<T>(activation)},
-                     OutputSlope{activation, gelu_slope_form<T>()}, static_cast<int>(p.C), static_cast<int>(p.H),
+                     InputActivation{activation, activation_form<T>(activation)}, static_cast<int>(p.C),
+                     static_cast<int>(p.H),
                      static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
                      chunk_width<T>(p.C, grad_output.const_data_ptr()), vector_stores, space,
                      static_cast<int>(split.items), split.tiles_per_block, static_cast<int>(split.chunks));

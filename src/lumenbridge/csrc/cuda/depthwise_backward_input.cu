@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(NhwcQuadTile<T, K, SLOPE>::kThreads, NhwcQuadT
     depthwise_backward_input_s2_nhwc_kernel(const T* __restrict__ grad_output,
                                             const T* __restrict__ weight,
                                             T* __restrict__ grad_input, const T* __restrict__ pre,
-                                            OutputSlope slope, int C, int H, int W, int Ho, int Wo,
+                                            Activation slope, int C, int H, int W, int Ho, int Wo,
                                             int chunk, int pre_chunk, bool vector_stores,
                                             TileSpace<4> space, int64_t tiles) {
   using Tile = NhwcQuadTile<T, K, SLOPE>;
@@ -238,7 +238,7 @@ void launch_s2_nhwc(const T* grad_output, const T* weight, T* grad_input, const 
     const TileSpace<4> space = tile_space<4>({slabs, tiles_x, tiles_y, p.N}, blocks);
     const bool vector_stores = vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
     kernel<<<grid_x(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(
-        grad_output, weight, grad_input, pre, OutputSlope{activation, gelu_slope_form<T>()}, static_cast<int>(p.C),
+        grad_output, weight, grad_input, pre, activation, static_cast<int>(p.C),
         static_cast<int>(p.H), static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
         chunk_width<T>(p.C, grad_output), chunk_width<T>(p.C, pre), vector_stores, space, tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T*
 // (activate_packed, about 4.5 instructions a value; the exact erf form cost
 // more than the pass it replaced, benchmarks/NOTES.md step 22), float in
 // ATen's exact form.
-using InputActivation = PackedChoice<ActivationForm>;
+using InputActivation = PackedActivation;
 
 // Applies the activation in place to the chunks this thread copied with
 // load_pixel_window, rounding to T. A thread sees its own asynchronous

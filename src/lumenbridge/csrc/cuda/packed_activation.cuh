@@ -1,9 +1,8 @@
 // The activation between stages on pairs of bf16 / fp16 values in packed
 // instructions (activate_pair), shared by the fused stage kernels' epilogues
 // (fused_parts.cuh) and the depthwise kernels of the composed backward, which
-// apply it to their input tiles (nhwc_tiles.cuh); GELU's slope in the same
-// form (gelu_slope_pair), for the input gradient's stores; and the packing
-// of pairs.
+// apply it to their input tiles (nhwc_tiles.cuh); and the packing of pairs.
+// (The input gradient's slope is evaluated in float: quad_tiles.cuh.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -87,12 +86,11 @@ ActivationForm activation_form(Activation act) {
   }
 }
 
-// An activation as a kernel argument: its kind and a packed form's constants
-// (activation_form, gelu_slope_form), which the kernels use for bf16 and fp16.
-template <typename Form>
-struct PackedChoice {
+// An activation as a kernel argument: its kind and the packed form's
+// constants (activation_form), which the kernels use for bf16 and fp16.
+struct PackedActivation {
   Activation kind;
-  Form form;
+  ActivationForm form;
 };
 
 // The packed instructions on pairs of T held in 32-bit registers.
@@ -167,63 +165,6 @@ __device__ __forceinline__ uint32_t activate_packed(uint32_t v, const Activation
 template <typename T>
 __device__ __forceinline__ uint32_t activate_pair(float a, float b, const ActivationForm& f) {
   return activate_packed<T>(pack2<T>(a, b), f);
-}
-
-// ---- GELU's slope, two values at a time -----------------------------------------
-
-// The derivative of activate_pair's GELU, the function the forward kernels
-// evaluate: with z = min(v^2, 25), u = v p(z) and t = tanh(u),
-//   act'(v) = (1 + t) / 2 + v (1 - t^2) u' / 2,  u' = p + 2 z p'(z) = p0 + 3 p1 z + 5 p2 z^2
-// (past the clamp t is +-1 in T and the second term vanishes). Every step is
-// one packed instruction, with one hardware tanh for both values: about 7
-// instructions a value, against about 16 and two MUFU operations for the same
-// derivative in float (benchmarks/NOTES.md, step 29). Rounding each step to T
-// makes it coarser than that float form (1.1e-4 at most): near saturation,
-// where 1 - t^2 is a few units of T's last place off, by about 2e-3 at
-// v = -2.5 in bf16. The gradient tests' 2x / 3x rule holds with it on every
-// sample case (worst ratio 2.41 of 3 in the CPU emulation of step 29).
-struct GeluSlopeForm {
-  uint32_t p0, p1, p2, d1, d2, clamp, half, one;  // each a pair of equal values of T
-};
-
-// Empty for float, whose kernels evaluate ATen's form instead.
-template <typename T>
-GeluSlopeForm gelu_slope_form() {
-  if constexpr (std::is_same_v<T, float>) {
-    return {};
-  } else {
-    return {splat<T>(GeluFit::kP0),        splat<T>(GeluFit::kP1),        splat<T>(GeluFit::kP2),
-            splat<T>(3.0f * GeluFit::kP1), splat<T>(5.0f * GeluFit::kP2), splat<T>(GeluFit::kClamp),
-            splat<T>(0.5f),                splat<T>(1.0f)};
-  }
-}
-
-// GELU and its slope at a packed pair v of T from one tanh: returns act(v)
-// and sets `slope` to act'(v), both packed. act(v) is activate_pair's GELU
-// bit for bit: there u = v p(z) + q with q = 0, here v p(z), which differ
-// only in the sign of a zero, and tanh, (1 + t) / 2 and the product by v
-// give the same result for either.
-template <typename T>
-__device__ __forceinline__ uint32_t gelu_pair_with_slope(uint32_t v, const GeluSlopeForm& f, uint32_t& slope) {
-  using M = PairMath<T>;
-  constexpr uint32_t kSigns = 0x80008000u;
-  const uint32_t z = M::min(M::mul(v, v), f.clamp);
-  const uint32_t p = M::fma(M::fma(z, f.p2, f.p1), z, f.p0);
-  const uint32_t du = M::fma(M::fma(z, f.d2, f.d1), z, f.p0);
-  const uint32_t t = M::tanh(M::mul(v, p));
-  const uint32_t flat = M::fma(t ^ kSigns, t, f.one);  // 1 - t^2
-  const uint32_t scaled = M::mul(M::mul(v, f.half), flat);
-  const uint32_t h = M::fma(t, f.half, f.half);  // (1 + t) / 2
-  slope = M::fma(scaled, du, h);
-  return M::mul(v, h);
-}
-
-// act'(v) for a packed pair v of T, packed the same way.
-template <typename T>
-__device__ __forceinline__ uint32_t gelu_slope_pair(uint32_t v, const GeluSlopeForm& f) {
-  uint32_t slope;
-  gelu_pair_with_slope<T>(v, f, slope);
-  return slope;
 }
 
 }  // namespace cuda

@@ -35,41 +35,16 @@ struct QuadReach {
   static constexpr int kMin = extreme(false), kMax = extreme(true), kSpan = kMax - kMin;
 };
 
-// The slope the NHWC stride-2 kernels scale their stores by: bf16 and fp16
-// GELU in the packed form (gelu_slope_pair), the rest in ATen's form.
-using OutputSlope = PackedChoice<GeluSlopeForm>;
-
-// Gradients a and b rounded to T, then times a packed pair of slopes in T:
-// three instructions (pack, multiply and the caller's store or select) where
-// the float product cost two unpacks, two multiplies and the pack. One more
-// rounding than the float product, as PyTorch rounds the depthwise input
-// gradient before the activation's backward multiplies it.
-template <typename T>
-__device__ __forceinline__ uint32_t scaled_pair(float a, float b, uint32_t slopes) {
-  return PairMath<T>::mul(pack2<T>(a, b), slopes);
-}
-
-// A thread's L gradients at one pixel times act'(pre) there, in T: for bf16
-// and fp16 GELU rounded first and scaled in pairs (scaled_pair), as the
-// one-pass kernel's GELU_PAIRS stores are; otherwise scaled in float, then
-// rounded. The choice is uniform across the grid.
+// A thread's L gradients at one pixel times act'(pre) there, in float as
+// ATen's backward of the activation takes it, then rounded to T once. (A
+// slope evaluated in packed bf16 / fp16 steps was off by a few units of T's
+// last place in the same direction at many pixels, and the parameter
+// gradients, sums over every pixel, drifted to 3-5x PyTorch's error:
+// benchmarks/NOTES.md, thirtieth session.)
 template <typename T, int L>
-__device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre,
-                                                  const OutputSlope& slope) {
+__device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre, Activation slope) {
   Vec<T, L> result;
-  if constexpr (!std::is_same_v<T, float>) {
-    if (slope.kind == Activation::GELU) {
-      static_assert(L % 2 == 0, "the packed slope takes pairs");
-      const auto* pairs = reinterpret_cast<const uint32_t*>(pre.v);
-      auto* scaled = reinterpret_cast<uint32_t*>(result.v);
-#pragma unroll
-      for (int h = 0; h < L / 2; ++h) {
-        scaled[h] = scaled_pair<T>(value[2 * h], value[2 * h + 1], gelu_slope_pair<T>(pairs[h], slope.form));
-      }
-      return result;
-    }
-  }
-  dispatch_activation(slope.kind, [&](auto a) {
+  dispatch_activation(slope, [&](auto a) {
 #pragma unroll
     for (int e = 0; e < L; ++e) {
       result.v[e] = static_cast<T>(value[e] * activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e])));
@@ -153,7 +128,7 @@ __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2
 // of this thread's channels; read for the pixels past the image too).
 template <bool SLOPE, typename T, int L, typename PreAt>
 __device__ __forceinline__ void store_quad(const float (&acc)[2][2][L], T* image, int y, int x, int H, int W, int C,
-                                           int c, bool vector_stores, const OutputSlope& slope, PreAt&& pre_at) {
+                                           int c, bool vector_stores, Activation slope, PreAt&& pre_at) {
   Vec<T, L> values[2][2];
 #pragma unroll
   for (int py = 0; py < 2; ++py) {

@@ -328,7 +328,7 @@ def as_rows(x):
     return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).cpu().double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("device", device_params())
 def test_what_is_saved_holds_the_stages_depthwise_and_pointwise_outputs(case, dtype, device, poisoned, request):

@@ -55,18 +55,87 @@ def test_save_replaces_an_older_checkpoint(saved, tmp_path):
     assert not any(p.name.endswith(".tmp") for p in directory.iterdir())
 
 
-def test_a_save_killed_between_its_two_files_loads_what_it_wrote(saved):
+def test_a_save_killed_between_its_two_files_is_refused_and_nothing_is_lost(saved):
     """Over a checkpoint of another architecture, a save that replaced
-    model.safetensors but died before config.json still loads: the weights
-    carry their own config, and loading prefers it."""
+    model.safetensors but died before config.json leaves files that disagree:
+    loading says so (transformers would build the other architecture from
+    config.json), and without config.json the weights load with their own
+    config."""
     _, directory = saved
     older_config = (directory / "config.json").read_text()
     wider = VisualTokenizer(dataclasses.replace(SMALL, stage_widths=(16, 16, 24, 32)), seed=1)
     wider.save_pretrained(directory)
     (directory / "config.json").write_text(older_config)  # as if killed between the two renames
+    with pytest.raises(ValueError, match=r"config.json does not match the config saved with .*model.safetensors"):
+        VisualTokenizer.from_pretrained(directory)
+    (directory / "config.json").unlink()
     loaded = VisualTokenizer.from_pretrained(directory)
     assert loaded.config == wider.config
     assert torch.equal(loaded.stages[0].pw.weight, wider.stages[0].pw.weight)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: {**c, "output_fmt": "NCHW"}, "does not match the config saved with"),
+        (lambda c: {"model_type": "clip_vision_model", "hidden_size": 768}, "does not match the config saved with"),
+        (lambda c: "this is not json", r"config.json is not a readable LumenBridge checkpoint file: JSONDecodeError"),
+        (lambda c: {**c, "stage_widths": 768}, r"config.json .*stage_widths must be a list, got 768"),
+    ],
+    ids=["edited", "another-model", "not-json", "bad-field"],
+)
+def test_a_config_json_that_disagrees_with_the_weights_is_refused(saved, edit, message):
+    _, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    edited = edit(config)
+    (directory / "config.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(ValueError, match=message):
+        VisualTokenizer.from_pretrained(directory)
+
+
+def test_keys_for_other_tools_in_config_json_are_left_to_them(saved):
+    """README: a folder of save_pretrained loads in transformers once its
+    config.json has "model_type"; it still loads here."""
+    model, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "lumenbridge"}))
+    assert VisualTokenizer.from_pretrained(directory).config == model.config
+
+
+def test_a_corrupt_config_in_the_weights_is_named(saved):
+    _, directory = saved
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
+    safetensors.torch.save_file(tensors, directory / "model.safetensors", {"lumenbridge_config": "{oops"})
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable LumenBridge checkpoint file"):
+        VisualTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_weights_load_in_the_dtype_they_were_saved_in(tmp_path, dtype):
+    model = VisualTokenizer(SMALL, seed=0).to(dtype)
+    with torch.no_grad():
+        model.stages[0].dw.weight.add_(1e-12 if dtype == torch.float64 else 0.0)
+    model.save_pretrained(tmp_path)
+    loaded = VisualTokenizer.from_pretrained(tmp_path)
+    for (name, saved_tensor), loaded_tensor in zip(
+        model.state_dict().items(), loaded.state_dict().values(), strict=True
+    ):
+        assert loaded_tensor.dtype == saved_tensor.dtype and torch.equal(loaded_tensor, saved_tensor), name
+
+
+@pytest.mark.parametrize("edit", ["act", "token_norm"])
+def test_an_edited_model_is_not_saved_as_its_config(tmp_path, edit):
+    """The checkpoint records the config, so a model whose modules no longer
+    match it would reload as another model: save refuses, naming the edit,
+    and writes nothing."""
+    model = VisualTokenizer(SMALL, seed=0)
+    if edit == "act":
+        model.act = torch.nn.GELU(approximate="tanh")
+    else:
+        model.token_norm.eps = 1e-2
+    with pytest.raises(ValueError, match=rf"cannot save this model: {edit}"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def _rewrite(directory, edit):
@@ -81,6 +150,14 @@ def _rewrite(directory, edit):
         (lambda t: t.pop("stages.1.pw.weight"), "missing tensor 'stages.1.pw.weight'"),
         (lambda t: t.update({"head.weight": torch.zeros(3)}), "unexpected tensor 'head.weight'"),
         (lambda t: t.update({"stages.0.dw.bias": torch.zeros(5)}), r"'stages.0.dw.bias' has shape \[5\]"),
+        (
+            lambda t: t.update({"stages.0.dw.bias": t["stages.0.dw.bias"].to(torch.int8)}),
+            r"'stages.0.dw.bias' is stored as torch.int8 but the model holds torch.float32",
+        ),
+        (
+            lambda t: t.update({"stages.0.dw.bias": t["stages.0.dw.bias"].double()}),
+            r"floating-point tensors mix dtypes \['torch.float32', 'torch.float64'\]",
+        ),
     ],
 )
 def test_mismatched_checkpoints_name_the_tensor(saved, edit, message):

@@ -70,6 +70,18 @@ def test_the_config_carries_the_tokenizer_architecture():
         LumenBridgeVisionConfig(kernel_size=4)
 
 
+def test_transformers_names_are_validated_as_the_fields_they_name():
+    """hidden_size is embed_dim: given with the matching widths it builds,
+    alone with a width the stages do not end in it is refused at once, and
+    given beside embed_dim it must agree."""
+    config = LumenBridgeVisionConfig(hidden_size=384, stage_widths=[48, 96, 192, 384])
+    assert config.embed_dim == config.hidden_size == 384
+    with pytest.raises(ValueError, match=r"the last stage width \(768\) must equal embed_dim \(100\)"):
+        LumenBridgeVisionConfig(hidden_size=100)
+    with pytest.raises(ValueError, match="hidden_size=384 and embed_dim=768 name one field and disagree"):
+        LumenBridgeVisionConfig(hidden_size=384, embed_dim=768)
+
+
 def test_save_and_load_in_the_hugging_face_layout_through_the_auto_classes(tmp_path):
     model = LumenBridgeVisionModel(small_config()).eval()
     model.save_pretrained(tmp_path)

@@ -2,12 +2,18 @@
 
 Each file is written to a temporary name, flushed and renamed into place, so a
 failure midway never leaves a half-written file. model.safetensors also holds
-the config in its metadata, and loading prefers that copy: a save killed
-between the two renames, over a checkpoint of another architecture, still loads
-the weights it wrote, with their own config."""
+the config in its metadata, and loading builds the model from that copy;
+config.json (read by tools such as transformers' AutoConfig) must agree with
+it, so a save killed between the two renames, or an edited config.json, is
+refused rather than loaded as a model that other tools would build
+differently. Keys of config.json that are not TokenizerConfig fields
+(transformers' "model_type", say) are left to those tools.
+
+Weights load in the floating-point dtype they were saved in."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +33,12 @@ CONFIG_METADATA = "lumenbridge_config"
 
 
 def save(model: VisualTokenizer, directory: str | Path) -> None:
+    edit = model.edited_module()
+    if edit is not None:
+        raise ValueError(
+            f"cannot save this model: {edit}. A checkpoint records the config, so it would reload as the "
+            "config's architecture; build the model from a config that describes it instead"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
@@ -46,8 +58,21 @@ def _unreadable(path: Path, error: Exception) -> ValueError:
     return ValueError(f"{path} is not a readable LumenBridge checkpoint file: {type(error).__name__}: {error}")
 
 
+def _config_from(path: Path, text: str, *, only_known_keys: bool = False) -> TokenizerConfig:
+    """The TokenizerConfig that text (read from path) holds, errors naming path."""
+    try:
+        data = json.loads(text)
+        if only_known_keys and isinstance(data, dict):
+            fields = {f.name for f in dataclasses.fields(TokenizerConfig)}
+            data = {key: value for key, value in data.items() if key in fields}
+        return TokenizerConfig.from_dict(data)
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise _unreadable(path, error) from error
+
+
 def read_config(directory: str | Path) -> TokenizerConfig:
     weights = Path(directory) / WEIGHTS_NAME
+    config_path = Path(directory) / CONFIG_NAME
     if weights.is_file():
         try:
             with safetensors.safe_open(weights, "pt") as file:
@@ -55,16 +80,25 @@ def read_config(directory: str | Path) -> TokenizerConfig:
         except safetensors.SafetensorError as error:
             raise _unreadable(weights, error) from error
         if stored is not None:
-            return TokenizerConfig.from_json(stored)
-    path = _require(Path(directory) / CONFIG_NAME)
-    try:
-        return TokenizerConfig.from_json(path.read_text())
-    except json.JSONDecodeError as error:
-        raise _unreadable(path, error) from error
+            config = _config_from(weights, stored)
+            if (
+                config_path.is_file()
+                and _config_from(config_path, config_path.read_text(), only_known_keys=True) != config
+            ):
+                raise ValueError(
+                    f"{config_path} does not match the config saved with {weights} (a save interrupted between "
+                    "the two files, or an edited config.json): save the model again, or delete config.json "
+                    "to load the weights with their own config"
+                )
+            return config
+    path = _require(config_path)
+    return _config_from(path, path.read_text())
 
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
-    """Load model.safetensors into model, naming any missing, unexpected or mis-shaped tensor."""
+    """Load model.safetensors into model, in the floating-point dtype it was
+    saved in, naming any missing, unexpected or mis-shaped tensor, and any
+    stored as an integer where the model holds floats or the other way round."""
     path = _require(Path(directory) / WEIGHTS_NAME)
     try:
         stored = safetensors.torch.load_file(path)
@@ -78,6 +112,16 @@ def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
         for name, t in expected.items()
         if name in stored and stored[name].shape != t.shape
     ]
+    problems += [
+        f"tensor {name!r} is stored as {stored[name].dtype} but the model holds {t.dtype}"
+        for name, t in expected.items()
+        if name in stored and stored[name].is_floating_point() != t.is_floating_point()
+    ]
+    floating = {t.dtype for name, t in stored.items() if name in expected and t.is_floating_point()}
+    if len(floating) > 1:
+        problems.append(f"its floating-point tensors mix dtypes {sorted(map(str, floating))}")
     if problems:
         raise ValueError(f"checkpoint {path} does not match the model: " + "; ".join(problems))
+    if floating:
+        model.to(floating.pop())
     model.load_state_dict(stored)

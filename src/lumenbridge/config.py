@@ -48,7 +48,10 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         # JSON gives lists; keep tuples so configs compare and hash alike.
         for name in ("stage_widths", "strides", "mean", "std"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"TokenizerConfig: {name} must be a list, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         self._validate()
 
     def _validate(self) -> None:

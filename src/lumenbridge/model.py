@@ -248,7 +248,9 @@ class VisualTokenizer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **kwargs) -> VisualTokenizer:
-        """Build from config.json and load model.safetensors; kwargs go to __init__."""
+        """Build from the config saved with model.safetensors (config.json must
+        agree with it) and load the weights in the dtype they were saved in;
+        kwargs go to __init__."""
         config = checkpoint.read_config(directory)
         model = cls(config, **kwargs)
         checkpoint.load_weights(model, directory)

@@ -40,6 +40,13 @@ class LumenBridgeVisionConfig(PretrainedConfig):
     attribute_map: ClassVar[dict[str, str]] = {"hidden_size": "embed_dim", "num_channels": "in_chans"}
 
     def __init__(self, **kwargs):
+        # transformers' names (hidden_size, ...) are the fields', so they are validated with them.
+        for alias, name in self.attribute_map.items():
+            if alias in kwargs:
+                value = kwargs.pop(alias)
+                if name in kwargs and kwargs[name] != value:
+                    raise ValueError(f"{alias}={value!r} and {name}={kwargs[name]!r} name one field and disagree")
+                kwargs[name] = value
         defaults = TokenizerConfig().to_dict()
         fields = {name: kwargs.pop(name, defaults[name]) for name in ARCHITECTURE_FIELDS}
         TokenizerConfig(**fields)  # validates every field, naming the bad one

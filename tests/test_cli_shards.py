@@ -354,6 +354,23 @@ def test_a_missing_list_file_is_a_usage_error(tmp_path, capsys):
 # --- the output folder: refusing, overwriting, continuing -------------------------------------
 
 
+@pytest.mark.parametrize(
+    "theirs",
+    [("tokens-train.safetensors",), ("tokens-00001-of-00003.safetensors.bak",), ("parts/notes.md",)],
+    ids=["named-like-tokens", "shard-name-and-more", "in-parts"],
+)
+def test_files_named_like_a_runs_are_not_taken_for_its_own(tmp_path, images, capsys, theirs):
+    """Only a run's exact names are its own: a user's tokens-train.safetensors,
+    or a note left in parts/, makes the folder foreign, even with --overwrite."""
+    out = tmp_path / "out"
+    for name in theirs:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("mine")
+    assert tokenize(*images, "--out", out, "--overwrite") == 2
+    assert "did not write" in capsys.readouterr().err
+    assert all((out / name).read_text() == "mine" for name in theirs)
+
+
 def test_a_folder_with_other_files_is_refused_and_left_alone(tmp_path, images, capsys):
     out = tmp_path / "out"
     out.mkdir()

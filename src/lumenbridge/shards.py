@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterator, Sequence
@@ -98,13 +99,27 @@ def read_manifest(path: str | os.PathLike) -> dict:
         return json.load(file)
 
 
-def ours(name: str) -> bool:
-    """Whether a name in DIR is one that a run writes (and --overwrite may remove)."""
-    return (
-        name in (MANIFEST, INDEX, ERRORS, PARTS)
-        or name.startswith(STAGING_PREFIX)
-        or (name.startswith("tokens-") and name.endswith(".safetensors"))
-    )
+# The names of a shard (shard_name) and of its parts (part_paths).
+SHARD_NAME = re.compile(r"tokens-\d{5,}-of-\d{5,}\.safetensors")
+PART_NAME = re.compile(r"tokens-\d{5,}-of-\d{5,}\.(index|errors)\.jsonl")
+
+
+def _staging(directory: str, name: str) -> bool:
+    return name.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(directory, name))
+
+
+def ours(directory: str, name: str) -> bool:
+    """Whether DIR's entry `name` is one that a run writes (and --overwrite may
+    remove): the manifest, the index, the error list, a shard, a staging
+    folder, or the parts folder while it holds nothing but shards' parts."""
+    if name == PARTS:
+        parts = os.path.join(directory, PARTS)
+        return (
+            os.path.isdir(parts)
+            and not os.path.islink(parts)
+            and all(PART_NAME.fullmatch(entry) or _staging(parts, entry) for entry in os.listdir(parts))
+        )
+    return name in (MANIFEST, INDEX, ERRORS) or bool(SHARD_NAME.fullmatch(name)) or _staging(directory, name)
 
 
 def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
@@ -145,7 +160,7 @@ def create_output_dir(path: str) -> None:
 
 def check_output_dir(path: str) -> None:
     """Refuses, before any work, a DIR holding files that no LumenBridge run wrote."""
-    foreign = sorted(name for name in os.listdir(path) if not ours(name))
+    foreign = sorted(name for name in os.listdir(path) if not ours(path, name))
     if foreign:
         raise OutputError(
             f"--out {path} holds files that a LumenBridge run did not write ({', '.join(foreign[:3])}"
@@ -190,7 +205,7 @@ def remove_run(path: str) -> None:
     """Removes what a LumenBridge run wrote in DIR (and nothing else)."""
     remove_abandoned(path)
     for name in os.listdir(path):
-        if not ours(name) or name.startswith(STAGING_PREFIX):
+        if not ours(path, name) or name.startswith(STAGING_PREFIX):
             continue
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):

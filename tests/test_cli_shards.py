@@ -478,6 +478,20 @@ def test_a_bad_report_path_fails_before_any_work(tmp_path, images, monkeypatch, 
     assert not out.exists()
 
 
+def test_a_report_never_replaces_an_input_and_another_file_only_with_overwrite(tmp_path, images, capsys):
+    first = Path(images[0]).read_bytes()
+    assert tokenize(*images, "--out", tmp_path / "out", "--report", images[0], "--overwrite") == 2
+    assert "is one of the inputs" in capsys.readouterr().err
+    assert Path(images[0]).read_bytes() == first
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert tokenize(*images, "--out", tmp_path / "out", "--report", notes) == 2
+    assert "is not a LumenBridge report; pass --overwrite" in capsys.readouterr().err
+    assert notes.read_text() == "mine"
+    assert tokenize(*images, "--out", tmp_path / "out", "--report", notes, "--overwrite") == 0
+    assert json.loads(notes.read_text())["images"] == 12
+
+
 def test_the_same_command_with_a_report_runs_twice(tmp_path, images):
     command = [*images, "--out", tmp_path / "out", "--report", tmp_path / "report.json"]
     assert tokenize(*command) == 0

@@ -261,22 +261,35 @@ def check_writable(flag: str, path: str, directory: str) -> None:
         raise UsageError(f"{flag} {path}: cannot write in {directory}: {error.strerror}") from error
 
 
-def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:
-    """Fails early, before any image is decoded, if the output could not or
-    should not be written where asked. A symlink is judged by its target,
-    which is what gets replaced."""
-    target, directory = file_target("--out", path)
+def named_files(paths: Sequence[str]) -> list[str]:
+    """The files named on the command line, which a write must not replace:
+    the images, and the file lists too."""
+    return [path for path in paths if os.path.isfile(path)]
+
+
+def check_file_target(
+    flag: str, path: str, inputs: Sequence[str], overwrite: bool, ours: Callable[[str], bool], kind: str
+) -> str:
+    """Fails early, before any image is decoded, if the file `flag` names could
+    not or should not be written: never over an input, and over another file
+    than one of `kind` (which `ours` recognizes) only with --overwrite. A
+    symlink is judged by its target, which is what gets replaced. Returns the
+    file's folder."""
+    target, directory = file_target(flag, path)
     if os.path.exists(target):
         identity = os.stat(target)
         if not stat.S_ISREG(identity.st_mode):
-            raise UsageError(f"--out {path} exists and is not a regular file")
+            raise UsageError(f"{flag} {path} exists and is not a regular file")
         if any(_is_file(identity, image) for image in inputs):
-            raise UsageError(f"--out {path} is one of the inputs")
-        if not overwrite and not is_tokens_file(target):
-            raise UsageError(
-                f"--out {path} exists and is not a LumenBridge tokens file; pass --overwrite to replace it"
-            )
-    check_writable("--out", path, directory)
+            raise UsageError(f"{flag} {path} is one of the inputs")
+        if not overwrite and not ours(target):
+            raise UsageError(f"{flag} {path} exists and is not {kind}; pass --overwrite to replace it")
+    check_writable(flag, path, directory)
+    return directory
+
+
+def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:
+    check_file_target("--out", path, inputs, overwrite, is_tokens_file, "a LumenBridge tokens file")
 
 
 def expanded_inputs(paths: Sequence[str]) -> list:
@@ -466,8 +479,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         if given:
             raise UsageError(f"{', '.join(given)} apply to sharded output: use --out DIR")
         paths = input_paths(args.paths)
-        named_files = [path for path in args.paths if os.path.isfile(path)]  # file lists are inputs too
-        check_output_path(args.out, [*paths, *named_files], args.overwrite)
+        check_output_path(args.out, [*paths, *named_files(args.paths)], args.overwrite)
         device = resolve_device(args.device)
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
@@ -534,7 +546,8 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
 
         def check_out() -> None:
             if args.report is not None:
-                check_report_path(args.report, args.out)
+                own = [*(item.path for item in inputs), *named_files(args.paths)]
+                check_report_path(args.report, args.out, own, args.overwrite)
             shards.create_output_dir(args.out)
             shards.check_output_dir(args.out)
 
@@ -669,14 +682,24 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
         )
 
 
-def check_report_path(report: str, out: str) -> None:
-    """--report must name a file that can be written, outside DIR (where the
-    next run of the same command would take it for a foreign file)."""
+def is_report_file(path: str) -> bool:
+    """Whether path holds what --report writes."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"images", "shards", "images_per_second"} <= report.keys()
+
+
+def check_report_path(report: str, out: str, inputs: Sequence[str], overwrite: bool) -> None:
+    """--report must name a file that can be written (as check_file_target
+    judges it), outside DIR (where the next run of the same command would
+    take it for a foreign file)."""
     _, folder = file_target("--report", report)
     out = os.path.realpath(out)
     if os.path.commonpath([folder, out]) == out:
         raise UsageError(f"--report {report} is inside --out {out}; write it elsewhere")
-    check_writable("--report", report, folder)
+    check_file_target("--report", report, inputs, overwrite, is_report_file, "a LumenBridge report")
 
 
 def write_report(path: str, result, device, backend: str, dtype: str) -> None:

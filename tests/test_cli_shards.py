@@ -478,6 +478,23 @@ def test_a_bad_report_path_fails_before_any_work(tmp_path, images, monkeypatch, 
     assert not out.exists()
 
 
+def test_the_same_weights_named_another_way_continue_the_run(tmp_path, images, capsys, monkeypatch):
+    """The manifest's weights are the checkpoint's digest, not how --weights
+    was spelled: ckpt, ckpt/ and its absolute path are one run; other weights
+    are another."""
+    VisualTokenizer(TokenizerConfig.preset(SMALL), seed=3).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    assert cli.main(["tokenize", *map(str, images), "--out", str(out), "--weights", "ckpt", *FAST[2:]]) == 0
+    capsys.readouterr()
+    for spelling in ("ckpt/", str(tmp_path / "ckpt"), "./ckpt"):
+        assert cli.main(["tokenize", *map(str, images), "--out", str(out), "--weights", spelling, *FAST[2:]]) == 0
+        assert "1 already done" in capsys.readouterr().out
+    VisualTokenizer(TokenizerConfig.preset(SMALL), seed=4).save_pretrained(tmp_path / "other")
+    assert cli.main(["tokenize", *map(str, images), "--out", str(out), "--weights", "other", *FAST[2:]]) == 2
+    assert "weights_digest" in capsys.readouterr().err
+
+
 def test_a_report_never_replaces_an_input_and_another_file_only_with_overwrite(tmp_path, images, capsys):
     first = Path(images[0]).read_bytes()
     assert tokenize(*images, "--out", tmp_path / "out", "--report", images[0], "--overwrite") == 2

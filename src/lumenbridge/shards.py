@@ -138,6 +138,8 @@ def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
     for section in ("settings", "model") + (() if allow_mixed else ("execution",)):
         old, now = stored.get(section) or {}, new[section]
         for name in sorted(set(old) | set(now)):
+            if section == "model" and name == "weights":
+                continue  # how --weights was spelled; weights_digest says which weights they are
             if old.get(name) != now.get(name):
                 differences.append(f"{name}: DIR has {old.get(name)!r}, this command {now.get(name)!r}")
     return differences

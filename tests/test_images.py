@@ -197,3 +197,21 @@ def test_dataloader_workers_give_the_same_batches_as_the_main_process(tmp_path):
     serial, parallel = load_all(0), load_all(2)
     assert [indices for indices, _ in parallel] == [[0, 1], [2, 3], [4]]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(serial, parallel))
+
+
+def test_a_folder_that_cannot_be_read_is_named_not_skipped(tmp_path, monkeypatch):
+    """os.walk passes over a folder it cannot list unless told otherwise; its
+    images would be left out of a run that reports success."""
+    save_image(tmp_path / "a.png")
+    (tmp_path / "locked").mkdir()
+    save_image(tmp_path / "locked" / "b.png")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path) == str(tmp_path / "locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    with pytest.raises(ValueError, match=r"cannot read folder .*locked: Permission denied"):
+        images.images_in_folder(tmp_path)

@@ -102,6 +102,23 @@ def test_an_unreadable_list_is_named_in_its_error(tmp_path):
         found(tmp_path / "latin.txt")
 
 
+def test_a_list_that_cannot_be_opened_is_named_in_its_error(tmp_path, monkeypatch):
+    """(As root the permission bits do not stop a read, so the refusal is
+    simulated where the list is opened.)"""
+    listing = tmp_path / "files.txt"
+    listing.write_text("a.png\n")
+    real_open = open
+
+    def refusing(path, *args, **kwargs):
+        if os.fspath(path) == str(listing):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refusing)
+    with pytest.raises(ValueError, match=r"cannot read file list .*files.txt: Permission denied"):
+        expand_inputs([str(listing)])
+
+
 def test_a_bad_parquet_list_is_named_in_its_error(tmp_path):
     pyarrow = import_or_skip("pyarrow")
     import pyarrow.parquet as pq

@@ -68,10 +68,15 @@ def images_in_folder(folder: str | os.PathLike) -> list[str]:
     """All image files below a folder, recursively, in sorted order, skipping
     hidden ones. Links to folders are followed, each folder once (so a link
     back up the tree is no loop); where two paths reach one folder, the first
-    in sorted order is kept."""
+    in sorted order is kept. A folder that cannot be read is an error (its
+    images would otherwise be left out unsaid)."""
+
+    def unreadable(error: OSError):
+        raise ValueError(f"cannot read folder {error.filename}: {error.strerror}") from error
+
     found = []
     visited = set()
-    for root, folders, files in os.walk(folder, followlinks=True):
+    for root, folders, files in os.walk(folder, onerror=unreadable, followlinks=True):
         folders.sort()
         real = os.path.realpath(root)
         if real in visited:

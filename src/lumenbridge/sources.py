@@ -122,6 +122,8 @@ def read_text_list(path: str) -> list[str]:
             lines = [line.strip() for line in file]
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: a file list must be UTF-8 text ({error})") from error
+    except OSError as error:
+        raise ValueError(f"cannot read file list {path}: {error.strerror}") from error
     return [os.path.join(folder, line) for line in lines if line and not line.startswith("#")]
 
 
@@ -147,7 +149,7 @@ def read_parquet_list(path: str) -> list[str]:
         if not any(test is not None and test(values) for test in strings):
             raise ValueError(f"its column {PARQUET_PATH_COLUMN!r} must hold strings, not {kind}")
         column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
-    except (pyarrow.ArrowException, ValueError) as error:
+    except (pyarrow.ArrowException, ValueError, OSError) as error:
         raise ValueError(f"{path}: cannot read it as a parquet file list: {error}") from error
     folder = os.path.dirname(os.path.abspath(path))
     return [os.path.join(folder, entry) for entry in column if entry]

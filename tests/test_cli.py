@@ -298,6 +298,11 @@ def test_help_documents_the_exit_codes(capsys):
     assert cli.main(["tokenize", "--help"]) == 0
     help_text = capsys.readouterr().out
     assert "exit codes" in help_text and "some unreadable images were skipped" in help_text
+    # The top-level help sends every command's reader to its own --help.
+    assert cli.main(["info", "--help"]) == 0
+    assert "exit codes:" in capsys.readouterr().out
+    assert cli.main(["build", "--help"]) == 0
+    assert "the build failed" in capsys.readouterr().out
 
 
 def test_tokenize_files_reports_failures_and_row_sources(tmp_path, good_images):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import import_or_skip
+from conftest import import_or_skip, save_image
 from PIL import Image
 
 import lumenbridge
@@ -426,6 +426,20 @@ def test_a_different_batch_size_continues_only_with_allow_mixed(tmp_path, images
     assert tokenize(*images, "--out", out, "--batch-size", "3") == 2
     assert "--allow-mixed" in capsys.readouterr().err
     assert tokenize(*images, "--out", out, "--batch-size", "3", "--allow-mixed") == 0
+
+
+def test_overwrite_retries_the_images_a_finished_run_skipped(tmp_path, images, capsys):
+    """The same command continues a run and keeps its verdicts; with
+    --overwrite it starts that run afresh, so a fixed image is read again."""
+    broken = tmp_path / "images" / "zz-broken.png"
+    broken.write_bytes(b"not an image")
+    out = tmp_path / "out"
+    assert tokenize(tmp_path / "images", "--out", out) == 1
+    assert [line["key"] for line in errors_of(out)] == [str(broken)]
+    save_image(broken)
+    assert tokenize(tmp_path / "images", "--out", out) == 1
+    assert tokenize(tmp_path / "images", "--out", out, "--overwrite") == 0
+    assert errors_of(out) == [] and len(index_of(out)) == len(images) + 1
 
 
 def test_another_cpu_thread_count_continues_only_with_allow_mixed(tmp_path, images, capsys):

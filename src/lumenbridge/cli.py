@@ -39,6 +39,7 @@ from lumenbridge.shards import OutputError
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 1
+EXIT_BUILD_FAILED = 1  # build's; its one failure
 EXIT_USAGE = 2
 EXIT_CRASH = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
@@ -92,8 +93,9 @@ exit codes:
        (each is named on stderr with the reason, and in DIR/errors.jsonl)
   2    usage error (a refused --out included), no image could be read, or the
        output could not be written; no output is written and an existing
-       --out file is left as it was (with --out DIR, finished shards stay, and
-       DIR/errors.jsonl when no image could be read)
+       --out file is left as it was (with --out DIR, finished shards stay; a
+       run that could read no image stays as a complete run of no rows, with
+       DIR/errors.jsonl saying why)
   3    an unexpected error stopped the run (traceback on stderr); no output
        is written and an existing --out file is left as it was
   130  interrupted (Ctrl-C); the output is written only if it was complete
@@ -734,7 +736,7 @@ def run_build(args: argparse.Namespace) -> int:
         report = lumenbridge.extension.build()
     except lumenbridge.extension.BuildError as error:
         print(f"lumenbridge: build failed: {error}", file=sys.stderr)
-        return 1
+        return EXIT_BUILD_FAILED
     print(report)
     return EXIT_OK
 
@@ -770,8 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing --out file that is not a LumenBridge tokens file; with --out DIR, discard a "
-        "different run's shards there and start again",
+        help="replace an existing --out file that is not a LumenBridge tokens file; with --out DIR, discard the "
+        "run there (another run's, or this one's, to retry the images it skipped) and start again",
     )
     tokenize.add_argument(
         "--shard-size", type=int, metavar="N", help=f"images per shard with --out DIR (default: {DEFAULT_SHARD_SIZE})"
@@ -845,10 +847,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tokenize.set_defaults(handler=run_tokenize)
 
-    info = commands.add_parser("info", help="print versions, devices and kernel backends")
+    info = commands.add_parser(
+        "info",
+        help="print versions, devices and kernel backends",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"exit codes:\n  0    printed\n  {EXIT_OUTPUT_CLOSED}  standard output was closed early "
+        "(as in `lumenbridge info | head -1`)",
+    )
     info.set_defaults(handler=run_info)
 
-    build = commands.add_parser("build", help="build the C++/CUDA extension now")
+    build = commands.add_parser(
+        "build",
+        help="build the C++/CUDA extension now",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"exit codes:\n  0    built (or already built)\n  {EXIT_BUILD_FAILED}    the build failed; stderr says why",
+    )
     build.set_defaults(handler=run_build)
     return parser
 

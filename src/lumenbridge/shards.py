@@ -174,7 +174,8 @@ def prepare_output_dir(path: str, manifest: dict, *, overwrite: bool, allow_mixe
     """Checks that DIR can hold this run and, for a new run, writes its manifest.
 
     A new or empty folder starts a new run. A folder holding a run with the same
-    inputs and settings continues it. A folder of another run is refused (with
+    inputs and settings continues it, unless --overwrite asks to start afresh
+    (to retry images it skipped, say). A folder of another run is refused (with
     --overwrite its files are removed and the run starts afresh), and so is a
     folder with anything else in it, even with --overwrite: nothing LumenBridge
     did not write is ever removed. Staging folders of killed runs are removed."""
@@ -182,7 +183,7 @@ def prepare_output_dir(path: str, manifest: dict, *, overwrite: bool, allow_mixe
     remove_abandoned(path)
     if is_output_dir(path):
         differences = compare_manifests(read_manifest(path), manifest, allow_mixed)
-        if not differences:
+        if not differences and not overwrite:
             return
         if not overwrite:
             mixed = all(d.split(":")[0] in manifest["execution"] for d in differences)

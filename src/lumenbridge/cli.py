@@ -271,12 +271,11 @@ def named_files(paths: Sequence[str]) -> list[str]:
 
 def check_file_target(
     flag: str, path: str, inputs: Sequence[str], overwrite: bool, ours: Callable[[str], bool], kind: str
-) -> str:
+) -> None:
     """Fails early, before any image is decoded, if the file `flag` names could
     not or should not be written: never over an input, and over another file
     than one of `kind` (which `ours` recognizes) only with --overwrite. A
-    symlink is judged by its target, which is what gets replaced. Returns the
-    file's folder."""
+    symlink is judged by its target, which is what gets replaced."""
     target, directory = file_target(flag, path)
     if os.path.exists(target):
         identity = os.stat(target)
@@ -287,7 +286,6 @@ def check_file_target(
         if not overwrite and not ours(target):
             raise UsageError(f"{flag} {path} exists and is not {kind}; pass --overwrite to replace it")
     check_writable(flag, path, directory)
-    return directory
 
 
 def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None:

@@ -6,8 +6,8 @@
 // activation's slope.
 #pragma once
 
+#include "activation.cuh"
 #include "common.cuh"
-#include "packed_activation.cuh"
 
 namespace lumenbridge {
 namespace cuda {

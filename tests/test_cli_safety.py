@@ -60,7 +60,7 @@ def test_out_before_a_shell_glob_never_replaces_an_image(tmp_path, two_pngs, cap
     a, b = two_pngs
     before = Path(a).read_bytes()
     assert cli.main(["tokenize", "--out", a, b, *FAST]) == 2
-    assert "is not a LumenBridge tokens file; pass --overwrite" in capsys.readouterr().err
+    assert "is not a LumenBridge tokens file; choose another path, or pass --overwrite" in capsys.readouterr().err
     assert Path(a).read_bytes() == before
 
 

@@ -240,6 +240,11 @@ def test_brace_expansion():
     assert expand_braces("d-{8..10}.tar") == ["d-8.tar", "d-9.tar", "d-10.tar"]
     assert expand_braces("{a,b}-{0..1}") == ["a-0", "a-1", "b-0", "b-1"]
     assert expand_braces("plain{x}.tar") == ["plain{x}.tar"]
+    # As bash pads: a leading zero on either bound, to the wider bound's width ("0" alone is no padding).
+    assert expand_braces("d-{1..010}") == [f"d-{value:03d}" for value in range(1, 11)]
+    assert expand_braces("{0..10}") == [str(value) for value in range(11)]
+    assert expand_braces("{-5..5}") == [str(value) for value in range(-5, 6)]
+    assert expand_braces("{-1..01}") == ["-1", "00", "01"]
 
 
 def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
@@ -286,7 +291,7 @@ def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     torch.testing.assert_close(reader[good[2]], expected([images[2]])[0])
 
 
-def test_a_key_in_two_tars_is_noted_and_read_by_its_source(tmp_path, images, capsys):
+def test_a_key_in_two_tars_is_noted_and_read_by_its_source(tmp_path, images, capsys, monkeypatch):
     first, second = tmp_path / "a" / "part.tar", tmp_path / "b" / "part.tar"
     for path, chosen in ((first, images[:2]), (second, images[2:4])):
         path.parent.mkdir()
@@ -303,6 +308,33 @@ def test_a_key_in_two_tars_is_noted_and_read_by_its_source(tmp_path, images, cap
     torch.testing.assert_close(reader.get("part/000000", source=str(second)), want[1])
     with pytest.raises(KeyError, match="was not tokenized from"):
         reader.get("part/000000", source="elsewhere.tar")
+    monkeypatch.chdir(tmp_path)  # the source as the command named it, relative to where it ran
+    torch.testing.assert_close(reader.get("part/000000", source="b/part.tar"), want[1])
+
+
+def test_a_key_a_tar_repeats_is_reached_by_iterating(tmp_path, images):
+    """A tar may hold a key twice, apart (a.jpg, b.jpg, a.png): two samples,
+    which source= cannot tell apart; the error says how to reach them."""
+    tar_path = tmp_path / "repeat.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name, image in (("a.jpg", images[1]), ("b.jpg", images[2]), ("a.png", images[0])):
+            tar.add(image, arcname=name)
+    out = tmp_path / "out"
+    assert tokenize(tar_path, "--out", out) == 0
+    reader = lumenbridge.read_tokens(out)
+    with pytest.raises(KeyError, match="names 2 images in .* iterate over the reader"):
+        reader.get("a", source=str(tar_path))
+    by_key = [(key, tokens) for key, tokens, _ in reader]
+    assert [key for key, _ in by_key] == ["a", "b", "a"]
+    torch.testing.assert_close(by_key[2][1], expected([images[0]])[0])
+
+
+def test_inputs_of_empty_tars_are_a_usage_error(tmp_path, capsys):
+    empty = tmp_path / "empty.tar"
+    tarfile.open(empty, "w").close()
+    assert tokenize(empty, "--out", tmp_path / "out") == 2
+    assert "every tar named is empty" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_multi_part_image_extension_is_the_image_member(tmp_path, images):
@@ -371,6 +403,26 @@ def test_files_named_like_a_runs_are_not_taken_for_its_own(tmp_path, images, cap
     assert all((out / name).read_text() == "mine" for name in theirs)
 
 
+def test_a_link_or_a_folder_under_a_runs_name_is_not_its_own(tmp_path, images, capsys):
+    """A run writes its files in place and removes its own: a symlink named
+    errors.jsonl would have it write through the link (here, over an input),
+    and a folder named index.jsonl would be deleted with what it holds."""
+    out = tmp_path / "out"
+    assert tokenize(*images, "--out", out) == 0
+    victim = Path(images[0]).read_bytes()
+    (out / "errors.jsonl").unlink()
+    (out / "errors.jsonl").symlink_to(images[0])
+    assert tokenize(*images, "--out", out) == 2
+    assert "did not write (errors.jsonl)" in capsys.readouterr().err
+    assert Path(images[0]).read_bytes() == victim
+    other = tmp_path / "other"
+    (other / "index.jsonl").mkdir(parents=True)
+    (other / "index.jsonl" / "notes.txt").write_text("mine")
+    assert tokenize(*images, "--out", other, "--overwrite") == 2
+    assert "did not write (index.jsonl)" in capsys.readouterr().err
+    assert (other / "index.jsonl" / "notes.txt").read_text() == "mine"
+
+
 def test_a_folder_with_other_files_is_refused_and_left_alone(tmp_path, images, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -426,6 +478,26 @@ def test_a_different_batch_size_continues_only_with_allow_mixed(tmp_path, images
     assert tokenize(*images, "--out", out, "--batch-size", "3") == 2
     assert "--allow-mixed" in capsys.readouterr().err
     assert tokenize(*images, "--out", out, "--batch-size", "3", "--allow-mixed") == 0
+
+
+def test_another_backend_continues_only_with_allow_mixed(tmp_path, images, capsys):
+    """The reference and the native kernels differ in the last bits, so a
+    resume on the other one would not give an uninterrupted run's bytes."""
+    out = tmp_path / "out"
+    assert tokenize(*images, "--out", out, "--backend", "reference") == 0
+    assert tokenize(*images, "--out", out, "--backend", "native") == 2
+    assert "backend: DIR has 'reference', this command 'native'" in capsys.readouterr().err
+    assert tokenize(*images, "--out", out, "--backend", "native", "--allow-mixed") == 0
+
+
+def test_another_dtype_is_named_as_the_only_difference(tmp_path, images, capsys):
+    """The weights' digest is of the weights as loaded, so --dtype, recorded
+    on its own, does not also make them look like other weights."""
+    out = tmp_path / "out"
+    assert tokenize(*images, "--out", out) == 0
+    assert tokenize(*images, "--out", out, "--dtype", "bfloat16") == 2
+    err = capsys.readouterr().err
+    assert "dtype: DIR has 'float32', this command 'bfloat16'" in err and "weights_digest" not in err
 
 
 def test_overwrite_retries_the_images_a_finished_run_skipped(tmp_path, images, capsys):
@@ -504,6 +576,12 @@ def test_the_same_weights_named_another_way_continue_the_run(tmp_path, images, c
     for spelling in ("ckpt/", str(tmp_path / "ckpt"), "./ckpt"):
         assert cli.main(["tokenize", *map(str, images), "--out", str(out), "--weights", spelling, *FAST[2:]]) == 0
         assert "1 already done" in capsys.readouterr().out
+    # A shard's metadata names its run by what decides the tokens, not by the spelling either.
+    again = tmp_path / "again"
+    assert cli.main(["tokenize", *map(str, images), "--out", str(again), "--weights", "./ckpt/", *FAST[2:]]) == 0
+    assert {name: data for name, data in tree(again).items() if name != shards.MANIFEST} == {
+        name: data for name, data in tree(out).items() if name != shards.MANIFEST
+    }
     VisualTokenizer(TokenizerConfig.preset(SMALL), seed=4).save_pretrained(tmp_path / "other")
     assert cli.main(["tokenize", *map(str, images), "--out", str(out), "--weights", "other", *FAST[2:]]) == 2
     assert "weights_digest" in capsys.readouterr().err
@@ -517,7 +595,9 @@ def test_a_report_never_replaces_an_input_and_another_file_only_with_overwrite(t
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     assert tokenize(*images, "--out", tmp_path / "out", "--report", notes) == 2
-    assert "is not a LumenBridge report; pass --overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not a LumenBridge report; choose another path, or pass --overwrite" in err
+    assert "also deletes a run that --out" in err  # the flag's other effect, where a resumed run would lose shards
     assert notes.read_text() == "mine"
     assert tokenize(*images, "--out", tmp_path / "out", "--report", notes, "--overwrite") == 0
     assert json.loads(notes.read_text())["images"] == 12

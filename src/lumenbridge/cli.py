@@ -270,12 +270,19 @@ def named_files(paths: Sequence[str]) -> list[str]:
 
 
 def check_file_target(
-    flag: str, path: str, inputs: Sequence[str], overwrite: bool, ours: Callable[[str], bool], kind: str
+    flag: str,
+    path: str,
+    inputs: Sequence[str],
+    overwrite: bool,
+    ours: Callable[[str], bool],
+    kind: str,
+    overwrite_does: str = "",
 ) -> None:
     """Fails early, before any image is decoded, if the file `flag` names could
     not or should not be written: never over an input, and over another file
-    than one of `kind` (which `ours` recognizes) only with --overwrite. A
-    symlink is judged by its target, which is what gets replaced."""
+    than one of `kind` (which `ours` recognizes) only with --overwrite (the
+    message adds `overwrite_does`, what else that flag would do). A symlink is
+    judged by its target, which is what gets replaced."""
     target, directory = file_target(flag, path)
     if os.path.exists(target):
         identity = os.stat(target)
@@ -284,7 +291,10 @@ def check_file_target(
         if any(_is_file(identity, image) for image in inputs):
             raise UsageError(f"{flag} {path} is one of the inputs")
         if not overwrite and not ours(target):
-            raise UsageError(f"{flag} {path} exists and is not {kind}; pass --overwrite to replace it")
+            raise UsageError(
+                f"{flag} {path} exists and is not {kind}; choose another path, or pass --overwrite to replace it"
+                + overwrite_does
+            )
     check_writable(flag, path, directory)
 
 
@@ -535,6 +545,9 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
     def fail(error: Exception) -> int:
         if group.main:
             print(f"lumenbridge: error: {error}", file=sys.stderr)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
         group.close()
         return EXIT_USAGE
 
@@ -561,12 +574,10 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
     except (UsageError, OutputError) as error:
-        if created and group.main:
-            with contextlib.suppress(OSError):
-                os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
         return fail(error)
 
     dtype = TOKEN_DTYPES[dtype_name]
+    digest = pipeline.weights_digest(model)  # the weights as loaded: --dtype is recorded apart
     model = model.to(device=device, dtype=dtype).eval()
     options = pipeline.Options(
         out=args.out,
@@ -580,6 +591,7 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         background=background,
         dtype=dtype,
         device=device,
+        backend=backend,
         grid=list(model.feature_size(image_size, image_size)),
         progress=True,
         on_failure=report_skipped,
@@ -590,6 +602,7 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
             inputs,
             options,
             weights=weights,
+            digest=digest,
             overwrite=args.overwrite,
             allow_mixed=args.allow_mixed,
             group=group,
@@ -699,7 +712,8 @@ def check_report_path(report: str, out: str, inputs: Sequence[str], overwrite: b
     out = os.path.realpath(out)
     if os.path.commonpath([folder, out]) == out:
         raise UsageError(f"--report {report} is inside --out {out}; write it elsewhere")
-    check_file_target("--report", report, inputs, overwrite, is_report_file, "a LumenBridge report")
+    also = f" (which also deletes a run that --out {out} holds and starts it afresh)"
+    check_file_target("--report", report, inputs, overwrite, is_report_file, "a LumenBridge report", also)
 
 
 def write_report(path: str, result, device, backend: str, dtype: str) -> None:
@@ -786,9 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument(
         "--allow-mixed",
         action="store_true",
-        help="continue a DIR whose shards were made with another --batch-size, device type or number of CPU "
-        "threads (the new shards' "
-        "tokens may then differ from an uninterrupted run in the last bits)",
+        help="continue a DIR whose shards were made with another --batch-size, device type, --backend or "
+        "number of CPU threads (the new shards' tokens may then differ from an uninterrupted run in the last bits)",
     )
     tokenize.add_argument(
         "--report",

@@ -194,6 +194,7 @@ class Options:
     background: tuple[int, int, int]
     dtype: torch.dtype
     device: torch.device
+    backend: str  # the kernels that run the model (dispatch.py's name)
     grid: list[int] = field(default_factory=list)  # the token grid of every image: [rows, columns]
     progress: bool = True
     on_failure: Callable[[str, str], None] | None = None
@@ -692,9 +693,9 @@ def weights_digest(model) -> str:
 
 def execution_settings(options: Options) -> dict:
     """What may change the tokens' last bits without changing what they mean:
-    the batch size, the device type and, on the CPU, the threads of its
-    matrix products (torchrun starts each process with one)."""
-    settings = {"batch_size": options.batch_size, "device": options.device.type}
+    the batch size, the device type, the backend and, on the CPU, the threads
+    of its matrix products (torchrun starts each process with one)."""
+    settings = {"batch_size": options.batch_size, "device": options.device.type, "backend": options.backend}
     if options.device.type == "cpu":
         settings["cpu_threads"] = torch.get_num_threads()
     return settings
@@ -724,10 +725,20 @@ def build_manifest(plan_digest: str, images: int, count: int, options: Options, 
 
 
 def run(
-    model, inputs, options: Options, *, weights: str, overwrite: bool, allow_mixed: bool, group: Group
+    model,
+    inputs,
+    options: Options,
+    *,
+    weights: str,
+    digest: str,
+    overwrite: bool,
+    allow_mixed: bool,
+    group: Group,
 ) -> RunResult:
     """Plans the inputs, checks or starts DIR, tokenizes this rank's share of the
-    missing shards and, on rank 0, waits for every rank and writes the index."""
+    missing shards and, on rank 0, waits for every rank and writes the index.
+    `digest` is weights_digest of the weights as loaded, before the cast to
+    options.dtype (which the manifest records apart)."""
     import hashlib
     import json
 
@@ -735,10 +746,13 @@ def run(
 
     started = time.perf_counter()
     plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
-    digest = plan_digest(plan)
+    if not plan:  # files and folders always add samples: every input is an empty tar
+        raise shards.OutputError("the inputs hold no sample: every tar named is empty")
     count = shards.shard_count(len(plan), options.shard_size)
-    manifest = build_manifest(digest, len(plan), count, options, model, weights, weights_digest(model))
-    content = {key: manifest[key] for key in ("version", "inputs", "settings", "model")}
+    manifest = build_manifest(plan_digest(plan), len(plan), count, options, model, weights, digest)
+    # What the tokens depend on; not how --weights was spelled (the digest says which weights they are).
+    model_content = {key: value for key, value in manifest["model"].items() if key != "weights"}
+    content = {**{key: manifest[key] for key in ("version", "inputs", "settings")}, "model": model_content}
     fingerprint = hashlib.sha256(shards.dumps(content).encode()).hexdigest()
     metadata = {"format": "lumenbridge-token-shard", "run": fingerprint, "config": model.config.to_json()}
 

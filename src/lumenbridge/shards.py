@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -104,28 +105,40 @@ SHARD_NAME = re.compile(r"tokens-\d{5,}-of-\d{5,}\.safetensors")
 PART_NAME = re.compile(r"tokens-\d{5,}-of-\d{5,}\.(index|errors)\.jsonl")
 
 
+def _kind(directory: str, name: str) -> int:
+    """The file type bits of DIR's entry itself (a symlink is not followed), 0 if it is gone."""
+    try:
+        return stat.S_IFMT(os.lstat(os.path.join(directory, name)).st_mode)
+    except FileNotFoundError:
+        return 0
+
+
 def _staging(directory: str, name: str) -> bool:
-    return name.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(directory, name))
+    return name.startswith(STAGING_PREFIX) and _kind(directory, name) == stat.S_IFDIR
 
 
 def ours(directory: str, name: str) -> bool:
     """Whether DIR's entry `name` is one that a run writes (and --overwrite may
-    remove): the manifest, the index, the error list, a shard, a staging
-    folder, or the parts folder while it holds nothing but shards' parts."""
+    remove): the manifest, the index, the error list or a shard as a regular
+    file, a staging folder, or the parts folder while it holds nothing but
+    shards' parts. Judged by name and type, never through a symlink: a link or
+    a folder under a run's name is the user's, and a run would write through
+    it or remove what it holds."""
     if name == PARTS:
         parts = os.path.join(directory, PARTS)
-        return (
-            os.path.isdir(parts)
-            and not os.path.islink(parts)
-            and all(PART_NAME.fullmatch(entry) or _staging(parts, entry) for entry in os.listdir(parts))
+        return _kind(directory, name) == stat.S_IFDIR and all(
+            (PART_NAME.fullmatch(entry) and _kind(parts, entry) == stat.S_IFREG) or _staging(parts, entry)
+            for entry in os.listdir(parts)
         )
-    return name in (MANIFEST, INDEX, ERRORS) or bool(SHARD_NAME.fullmatch(name)) or _staging(directory, name)
+    if name in (MANIFEST, INDEX, ERRORS) or SHARD_NAME.fullmatch(name):
+        return _kind(directory, name) == stat.S_IFREG
+    return _staging(directory, name)
 
 
 def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
     """What differs between the run that made DIR and this one; [] if it may continue.
     The inputs and every setting that decides the tokens must match; the execution
-    settings (batch size, device type) may differ with allow_mixed."""
+    settings (batch size, device type, backend) may differ with allow_mixed."""
     differences = []
     if stored.get("version") != new["version"]:
         differences.append(f"format version {stored.get('version')} (this LumenBridge writes {new['version']})")
@@ -489,13 +502,21 @@ class TokenReader:
 
     def record(self, key: str, source: str | None = None) -> dict:
         """The index entry of one image. A key that names several images (the
-        same WebDataset key in several tars) needs `source`, the tar's path, to
-        pick one; KeyError otherwise, naming the sources."""
-        found = [r for r in self._index()[key] if source is None or r["source"] == source]
+        same WebDataset key in several tars) needs `source`, the tar's path as
+        given to the run or absolute, to pick one; KeyError otherwise, naming
+        the sources. (A tar that repeats a key among other samples holds
+        several images under it: iterating reaches each.)"""
+        wanted = None if source is None else os.path.abspath(source)
+        found = [r for r in self._index()[key] if wanted is None or r["source"] == wanted]
         if len(found) == 1:
             return found[0]
         if not found:
             raise KeyError(f"{key!r} was not tokenized from {source!r}")
+        if wanted is not None:
+            raise KeyError(
+                f"{key!r} names {len(found)} images in {source} (the tar repeats the key); "
+                "iterate over the reader to reach each"
+            )
         sources = ", ".join(sorted({r["source"] for r in found}))
         raise KeyError(f"{key!r} names {len(found)} images, from {sources}: give source= to pick one")
 

@@ -67,16 +67,24 @@ def has_braces(pattern: str) -> bool:
     return any(_RANGE.fullmatch(m.group(1)) or "," in m.group(1) for m in _BRACE.finditer(pattern))
 
 
+def _zero_padded(bound: str) -> bool:
+    """A range bound written with a leading zero (05, -01; not 0 itself), which
+    makes every value as wide as the wider bound."""
+    digits = bound.lstrip("-")
+    return len(digits) > 1 and digits.startswith("0")
+
+
 def expand_braces(pattern: str) -> list[str]:
     """Brace expansion as WebDataset and the shell do it: `a-{000..002}.tar`
-    gives a-000.tar, a-001.tar, a-002.tar (zero-padded like the bounds), and
+    gives a-000.tar, a-001.tar, a-002.tar (a bound with a leading zero pads every
+    value to the wider bound's width, as bash does), and
     `{x,y}` gives each alternative. Braces holding neither stay as they are."""
     for match in _BRACE.finditer(pattern):
         body = match.group(1)
         numbers = _RANGE.fullmatch(body)
         if numbers:
             first, last = numbers.groups()
-            width = len(first) if first.lstrip("-").startswith("0") or len(first) == len(last) else 0
+            width = max(len(first), len(last)) if _zero_padded(first) or _zero_padded(last) else 0
             step = 1 if int(last) >= int(first) else -1
             values = [f"{value:0{width}d}" for value in range(int(first), int(last) + step, step)]
         elif "," in body:

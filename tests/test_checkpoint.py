@@ -123,7 +123,7 @@ def test_weights_load_in_the_dtype_they_were_saved_in(tmp_path, dtype):
         assert loaded_tensor.dtype == saved_tensor.dtype and torch.equal(loaded_tensor, saved_tensor), name
 
 
-@pytest.mark.parametrize("edit", ["act", "token_norm"])
+@pytest.mark.parametrize("edit", ["act", "token_norm", "stage 1's norm"])
 def test_an_edited_model_is_not_saved_as_its_config(tmp_path, edit):
     """The checkpoint records the config, so a model whose modules no longer
     match it would reload as another model: save refuses, naming the edit,
@@ -131,9 +131,19 @@ def test_an_edited_model_is_not_saved_as_its_config(tmp_path, edit):
     model = VisualTokenizer(SMALL, seed=0)
     if edit == "act":
         model.act = torch.nn.GELU(approximate="tanh")
-    else:
+    elif edit == "token_norm":
         model.token_norm.eps = 1e-2
+    else:
+        model.stages[1].norm.eps = 0.5  # a BatchNorm's eps: the checkpoint would reload it as 1e-5
     with pytest.raises(ValueError, match=rf"cannot save this model: {edit}"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_of_mixed_dtypes_is_not_saved(tmp_path):
+    model = VisualTokenizer(SMALL, seed=0)
+    model.stages[0].double()
+    with pytest.raises(ValueError, match="mix dtypes"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -158,12 +168,24 @@ def _rewrite(directory, edit):
             lambda t: t.update({"stages.0.dw.bias": t["stages.0.dw.bias"].double()}),
             r"floating-point tensors mix dtypes \['torch.float32', 'torch.float64'\]",
         ),
+        (
+            lambda t: t.update({name: tensor.to(torch.float8_e4m3fn) for name, tensor in t.items()}),
+            r"tensors are torch.float8_e4m3fn, which the model cannot run in",
+        ),
     ],
 )
 def test_mismatched_checkpoints_name_the_tensor(saved, edit, message):
     _, directory = saved
     _rewrite(directory, edit)
     with pytest.raises(ValueError, match=message):
+        VisualTokenizer.from_pretrained(directory)
+
+
+def test_a_config_json_that_is_not_utf8_is_named(saved):
+    _, directory = saved
+    (directory / "model.safetensors").unlink()  # the weights' copy of the config would be read first
+    (directory / "config.json").write_bytes(b'{"embed_dim": "\xff"}')
+    with pytest.raises(ValueError, match="config.json is not a readable LumenBridge checkpoint file"):
         VisualTokenizer.from_pretrained(directory)
 
 

@@ -134,6 +134,39 @@ def test_check_finite_rejects_non_finite_values(bad_value):
     assert not torch.isfinite(make()(x)).all()  # without the option the value flows through
 
 
+def test_check_finite_judges_values_in_the_models_dtype():
+    """1e5 is finite in float32 but not in float16, where the model computes."""
+    x = torch.randn(1, 3, 32, 32)
+    x[0, 0, 0, 0] = 1e5
+    with pytest.raises(ValueError, match="NaN or Inf values \\(in the model's dtype, torch.float16\\)"):
+        make(check_finite=True).half()(x)
+
+
+def test_images_in_another_layout_are_a_clear_type_error():
+    with pytest.raises(TypeError, match="must be a dense tensor, got layout torch.sparse_coo"):
+        make()(torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8).to_sparse())
+
+
+def test_pixel_statistics_survive_casts_and_to_empty():
+    """uint8 images are normalized with the config's mean and std: a cast
+    to bfloat16 and back, or a model built on the meta device and
+    materialized with to_empty, must not change them."""
+    model = make(backend="reference")
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    with torch.no_grad():
+        want = model(images)
+        round_trip = make(backend="reference").bfloat16().float()
+        round_trip.load_state_dict(model.state_dict())  # the weights as they were; the statistics as cast
+        assert torch.equal(round_trip.pixel_mean, model.pixel_mean)
+        assert torch.equal(round_trip(images), want)
+        with torch.device("meta"):
+            empty = VisualTokenizer(SMALL, backend="reference").eval()
+        empty.to_empty(device="cpu").load_state_dict(model.state_dict())
+        assert torch.equal(empty(images), want)
+        exact = torch.tensor(SMALL.pixel_mean, dtype=torch.float64).view(1, -1, 1, 1)
+        assert torch.equal(make().double().pixel_mean, exact)  # not float32's rounding of it
+
+
 def test_seed_makes_initialization_reproducible():
     a, b, c = make(), make(), VisualTokenizer(SMALL, seed=1)
     for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):

@@ -320,16 +320,37 @@ def _edit_stage_norm_eps(model):
     model.stages[2].norm.eps = 0.5
 
 
+def _add_stage_norm(model):
+    model.stages[1].norm = torch.nn.BatchNorm2d(model.config.stage_widths[1]).eval()
+    model.stages[1].norm.running_var.fill_(4.0)
+
+
+def _edit_batchnorm_eps(model):
+    model.stages[2].norm.eps = 0.5
+
+
+# The stage norm of the config each edit applies to (the rest: NARROW's, none).
+EDITED_STAGE_NORM = {_edit_stage_norm_eps: "layernorm", _edit_batchnorm_eps: "batchnorm"}
+
+
 @pytest.mark.parametrize(
     "edit",
-    [_edit_act, _edit_token_norm_eps, _drop_token_norm_affine, _drop_token_norm, _edit_stage_norm_eps],
+    [
+        _edit_act,
+        _edit_token_norm_eps,
+        _drop_token_norm_affine,
+        _drop_token_norm,
+        _edit_stage_norm_eps,
+        _add_stage_norm,
+        _edit_batchnorm_eps,
+    ],
     ids=lambda edit: edit.__name__.strip("_"),
 )
 def test_edited_modules_run_layer_by_layer_and_say_so(native_ops, edit, caplog):
     """The op takes the architecture from the config: a model whose activation
-    or LayerNorms were replaced or changed runs layer by layer (one log line
+    or norms were replaced, added or changed runs layer by layer (one log line
     says why), giving the reference's tokens, not the config's."""
-    config = dataclasses.replace(NARROW, stage_norm="layernorm") if edit is _edit_stage_norm_eps else NARROW
+    config = dataclasses.replace(NARROW, stage_norm=EDITED_STAGE_NORM.get(edit, NARROW.stage_norm))
     native_model = VisualTokenizer(config, seed=0, backend="native").eval()
     reference_model = VisualTokenizer(config, seed=0, backend="reference").eval()
     for model in (native_model, reference_model):

@@ -39,6 +39,12 @@ def save(model: VisualTokenizer, directory: str | Path) -> None:
             f"cannot save this model: {edit}. A checkpoint records the config, so it would reload as the "
             "config's architecture; build the model from a config that describes it instead"
         )
+    floating = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+    if len(floating) > 1:  # load_weights would refuse the checkpoint
+        raise ValueError(
+            f"cannot save this model: its floating-point tensors mix dtypes {sorted(map(str, floating))}; "
+            "cast it to one first"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
@@ -56,6 +62,13 @@ def _require(path: Path) -> Path:
 
 def _unreadable(path: Path, error: Exception) -> ValueError:
     return ValueError(f"{path} is not a readable LumenBridge checkpoint file: {type(error).__name__}: {error}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise _unreadable(path, error) from error
 
 
 def _config_from(path: Path, text: str, *, only_known_keys: bool = False) -> TokenizerConfig:
@@ -83,7 +96,7 @@ def read_config(directory: str | Path) -> TokenizerConfig:
             config = _config_from(weights, stored)
             if (
                 config_path.is_file()
-                and _config_from(config_path, config_path.read_text(), only_known_keys=True) != config
+                and _config_from(config_path, _read_text(config_path), only_known_keys=True) != config
             ):
                 raise ValueError(
                     f"{config_path} does not match the config saved with {weights} (a save interrupted between "
@@ -92,13 +105,15 @@ def read_config(directory: str | Path) -> TokenizerConfig:
                 )
             return config
     path = _require(config_path)
-    return _config_from(path, path.read_text())
+    return _config_from(path, _read_text(path))
 
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
     """Load model.safetensors into model, in the floating-point dtype it was
     saved in, naming any missing, unexpected or mis-shaped tensor, and any
     stored as an integer where the model holds floats or the other way round."""
+    from .model import FLOAT_DTYPES  # model imports this module
+
     path = _require(Path(directory) / WEIGHTS_NAME)
     try:
         stored = safetensors.torch.load_file(path)
@@ -120,6 +135,11 @@ def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
     floating = {t.dtype for name, t in stored.items() if name in expected and t.is_floating_point()}
     if len(floating) > 1:
         problems.append(f"its floating-point tensors mix dtypes {sorted(map(str, floating))}")
+    problems += [
+        f"its tensors are {dtype}, which the model cannot run in (it runs in {', '.join(map(str, FLOAT_DTYPES))})"
+        for dtype in floating
+        if dtype not in FLOAT_DTYPES
+    ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match the model: " + "; ".join(problems))
     if floating:

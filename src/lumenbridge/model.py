@@ -46,6 +46,22 @@ def _is_config_layer_norm(module: nn.Module, kind: type) -> bool:
     )
 
 
+def _is_config_stage_norm(module: nn.Module, name: str) -> bool:
+    """Whether module still computes the config's stage norm `name`: the
+    LayerNorm above; a BatchNorm (SyncBatchNorm too, which DDP training swaps
+    in) that is affine, tracks running statistics and keeps NORM_EPS; or none."""
+    if name == "layernorm":
+        return _is_config_layer_norm(module, LayerNorm2d)
+    if name == "batchnorm":
+        return (
+            isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm))
+            and module.affine
+            and module.track_running_stats
+            and module.eps == NORM_EPS
+        )
+    return type(module) is nn.Identity
+
+
 def _make_stage_norm(name: str, channels: int) -> nn.Module:
     if name == "layernorm":
         return LayerNorm2d(channels, eps=NORM_EPS)
@@ -129,6 +145,18 @@ class VisualTokenizer(nn.Module):
         self.register_buffer("pixel_mean", mean, persistent=False)
         self.register_buffer("pixel_std", std, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Every move and cast (to, half, to_empty, ...) also refills the pixel
+        statistics from the config, in the buffers' new dtype: a cast would
+        otherwise keep a narrower dtype's rounding (bf16 and back to float32),
+        and to_empty leaves them uninitialized, since no checkpoint holds them."""
+        super()._apply(fn, recurse)
+        mean, std = pixel_statistics(self.config, self.pixel_mean.dtype)
+        with torch.no_grad():
+            self.pixel_mean.copy_(mean)
+            self.pixel_std.copy_(std)
+        return self
+
     @property
     def embed_dim(self) -> int:
         return self.config.embed_dim
@@ -163,6 +191,8 @@ class VisualTokenizer(nn.Module):
     def _check_images(self, images: torch.Tensor) -> None:
         if not isinstance(images, torch.Tensor):
             raise TypeError(f"images must be a torch.Tensor, got {type(images).__name__}")
+        if images.layout != torch.strided:
+            raise TypeError(f"images must be a dense tensor, got layout {images.layout}; convert it with .to_dense()")
         if images.dtype != torch.uint8 and images.dtype not in FLOAT_DTYPES:
             raise TypeError(f"images must be uint8 (0..255) or floating point, got {images.dtype}")
         if images.dim() != 4:
@@ -176,8 +206,11 @@ class VisualTokenizer(nn.Module):
             raise ValueError(f"images have {images.shape[1]} channels but the model expects {self.config.in_chans}")
         for extent in images.shape[2:]:
             self._check_extent(extent)
-        if self.check_finite and images.is_floating_point() and not bool(torch.isfinite(images).all()):
-            raise ValueError("images contain NaN or Inf values")
+        if self.check_finite and images.is_floating_point():
+            # As the model computes them: a finite value can overflow the model's dtype.
+            dtype = self.stages[0].dw.weight.dtype
+            if not bool(torch.isfinite(images.to(dtype)).all()):
+                raise ValueError(f"images contain NaN or Inf values (in the model's dtype, {dtype})")
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         """Normalize uint8 input, cast to the parameters' dtype, pad, make dense."""
@@ -209,7 +242,7 @@ class VisualTokenizer(nn.Module):
 
     def edited_module(self) -> str | None:
         """Which module no longer computes what the config says (an activation
-        or LayerNorm replaced, an eps changed), or None. The native op takes the
+        or norm replaced, added or removed, an eps changed), or None. The native op takes the
         architecture from the config, so such a model runs layer by layer."""
         cfg = self.config
         act = self._modules["act"]
@@ -218,10 +251,9 @@ class VisualTokenizer(nn.Module):
         token_norm = self._modules["token_norm"]
         if not (_is_config_layer_norm(token_norm, nn.LayerNorm) if cfg.token_norm else type(token_norm) is nn.Identity):
             return f"token_norm is {token_norm!r}, not the config's"
-        if cfg.stage_norm == "layernorm":
-            for index, stage in enumerate(self._modules["stages"]):
-                if not _is_config_layer_norm(stage.norm, LayerNorm2d):
-                    return f"stage {index}'s norm is {stage.norm!r}, not the config's"
+        for index, stage in enumerate(self._modules["stages"]):
+            if not _is_config_stage_norm(stage.norm, cfg.stage_norm):
+                return f"stage {index}'s norm is {stage.norm!r}, not the config's {cfg.stage_norm!r}"
         return None
 
     def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import TokenizerConfig
-from .model import VisualTokenizer, pixel_statistics
+from .model import VisualTokenizer
 
 BASE = TokenizerConfig.preset("lumenbridge-base")
 # Narrow widths, none a multiple of 16 (two not even of 8), keep CPU runs fast
@@ -171,14 +171,9 @@ def tensor_report(output: torch.Tensor, reference: torch.Tensor, torch_output: t
 
 
 def float64_model(model: VisualTokenizer) -> VisualTokenizer:
-    """A float64 CPU copy of model, with its pixel statistics exact: the
-    model's buffers hold them in its own dtype (float32 at best), while the op
-    normalizes with the configuration's values."""
-    model64 = copy.deepcopy(model).to("cpu", torch.float64)
-    mean, std = pixel_statistics(model.config, torch.float64)
-    model64.pixel_mean.copy_(mean)
-    model64.pixel_std.copy_(std)
-    return model64
+    """A float64 CPU copy of model (the cast refills its pixel statistics
+    from the config, exact in float64, as the op takes them)."""
+    return copy.deepcopy(model).to("cpu", torch.float64)
 
 
 def compare_to_float64(

@@ -5,7 +5,11 @@ It decides dispatch.DEFAULTS["cpu"].
 Cases: the depthwise convolutions of lumenbridge-base's four stages at B=8
 (forward, and forward + all gradients), and the whole tokenizer (forward, and
 a training step: forward + the gradients of every parameter), each in NCHW and
-channels-last.
+channels-last. The tokenizer part also gives its floors, from this machine's
+float32 matmul rate and copy bandwidth measured in the same run: the
+arithmetic floor (the pointwise convolutions' FLOPs; a training step's three
+times that, for the two products of the backward) and the byte floor of
+stages run separately (each stage output written and read once).
 
 Usage: python benchmarks/bench_cpu.py [--parts depthwise tokenizer] [--out DIR]
 (prints a Markdown table)
@@ -30,8 +34,9 @@ STAGES = [(3, 224), (96, 112), (192, 56), (384, 28)]
 FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
 
 
-def median_ms(fn, repeats: int = 7) -> float:
-    fn()
+def median_ms(fn, repeats: int = 7, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,23 +78,51 @@ def depthwise_rows():
     return rows
 
 
+def copy_gbs() -> float:
+    """Copy of 512 MiB, counting bytes read plus written."""
+    source = torch.empty(2**29, dtype=torch.uint8).random_()
+    target = torch.empty_like(source)
+    return 2 * source.numel() / median_ms(lambda: target.copy_(source)) / 1e6
+
+
+def matmul_tflops() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / median_ms(lambda: a @ b) / 1e9
+
+
+def floor_rows(config) -> list[dict]:
+    from bench_fused import floors_ms
+
+    floors = floors_ms(config, BATCH, 224, copy_gbs(), matmul_tflops(), element=4, pixel=4)
+    return [
+        {"case": "tokenizer 224²", "layout": "", "impl": f"floor: {name}", "forward": ms, "train": train}
+        for name, ms, train in (
+            ("arithmetic", floors["arithmetic"], 3 * floors["arithmetic"]),
+            ("stages separate", floors["stages separate"], float("nan")),
+        )
+    ]
+
+
 def model_rows():
     rows = []
     images = torch.randn(BATCH, 3, 224, 224)
     for layout, fmt in FORMATS.items():
         x = images.contiguous(memory_format=fmt)
-        for name in ("native", "reference"):
-            model = VisualTokenizer(backend=name, seed=0).eval()
+        models = {name: VisualTokenizer(backend=name, seed=0).eval() for name in ("native", "reference")}
+        torch.compiler.reset()  # a fresh compile per layout, not a recompile-limited cache
+        models["compile"] = torch.compile(models["reference"], dynamic=False)
+        for name, model in models.items():
             parameters = list(model.parameters())
 
             def train_step(model=model, x=x, parameters=parameters):
                 return torch.autograd.grad(model(x).sum(), parameters)
 
+            # Two warm-up calls: the compiled model compiles on the first of each mode.
             with torch.no_grad():
-                forward = median_ms(lambda model=model, x=x: model(x), repeats=5)
-            train = median_ms(train_step, repeats=5)
+                forward = median_ms(lambda model=model, x=x: model(x), repeats=5, warmup=2)
+            train = median_ms(train_step, repeats=5, warmup=2)
             rows.append({"case": "tokenizer 224²", "layout": layout, "impl": name, "forward": forward, "train": train})
-    return rows
+    return rows + floor_rows(models["native"].config)
 
 
 def markdown(rows) -> str:
@@ -103,7 +136,8 @@ def markdown(rows) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {r['forward']:.2f} | {r['train']:.2f} |")
+        forward, train = (f"{ms:.2f}" if ms == ms else "n/a" for ms in (r["forward"], r["train"]))
+        lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {forward} | {train} |")
     return "\n".join(lines) + "\n"
 
 

@@ -143,6 +143,11 @@ def graphed(model: VisualTokenizer):
     return call
 
 
+# Providers replaying CUDA graphs: their memory pool is allocated at capture,
+# in the warm-up, so a peak measured afterwards says nothing.
+GRAPHED = ("compile-ro", "lumenbridge-graph")
+
+
 def providers(model: VisualTokenizer, batch: int):
     plain = PlainTokenizer(model)
     torch.compiler.reset()
@@ -151,7 +156,7 @@ def providers(model: VisualTokenizer, batch: int):
         "eager": plain,
         "compile-ma": torch.compile(plain, mode="max-autotune-no-cudagraphs", dynamic=False),
     }
-    if batch <= 8:
+    if batch <= 8:  # CUDA-graph providers (GRAPHED)
         result["compile-ro"] = torch.compile(PlainTokenizer(model), mode="reduce-overhead", dynamic=False)
         result["lumenbridge-graph"] = graphed(model)
     patch = nn.Conv2d(3, 768, 16, 16).to("cuda", model.stages[0].dw.weight.dtype)
@@ -226,8 +231,8 @@ def parse_case(text: str) -> tuple[str, int, int]:
 
 
 def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) -> None:
+    torch.backends.cudnn.benchmark = True  # before environment(), which records it
     env = environment()
-    torch.backends.cudnn.benchmark = True
     copy_gbs = copy_bandwidth_gbs()
     tflops = {name: matmul_tflops(DTYPES[name]) for name in dict.fromkeys(d for d, _, _ in cases)}
     config = TokenizerConfig.preset("lumenbridge-base")
@@ -251,7 +256,7 @@ def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) ->
                     continue
                 with torch.inference_mode():
                     ms = median_ms(lambda fn=fn, x=x: fn(x), warmup=10, repeats=50)
-                    memory = peak_mb(lambda fn=fn, x=x: fn(x), x)
+                    memory = None if name in GRAPHED else peak_mb(lambda fn=fn, x=x: fn(x), x)
                 rows.append(
                     {
                         "dtype": dtype_name,
@@ -264,7 +269,7 @@ def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) ->
                         "path": path if name == "lumenbridge" else "",
                     }
                 )
-                print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {memory:.0f} MB", flush=True)
+                print(f"{dtype_name} B={batch} {side} {name} {kind}: {ms:.4f} ms, {megabytes(memory)} MB", flush=True)
         if dtype_name == "bf16" and batch == 256 and side == 224:
             rows += training_rows(model, batch, side, dtype_name, inputs["float"])
         element = torch.empty((), dtype=dtype).element_size()
@@ -278,7 +283,7 @@ def run(cases: list[tuple[str, int, int]], keep: list[str] | None, out: Path) ->
                     "provider": f"floor: {k}",
                     "input": kind,
                     "ms": v,
-                    "peak_mb": 0.0,
+                    "peak_mb": None,
                     "path": "",
                 }
                 for k, v in floors.items()
@@ -295,6 +300,10 @@ def write(result: dict, out: Path) -> None:
     plot(result, out / "fused.png")
 
 
+def megabytes(peak: float | None) -> str:
+    return "n/a" if peak is None else f"{peak:.0f}"
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
@@ -304,7 +313,8 @@ def markdown(result: dict) -> str:
             f"Copy {result['copy_gbs']:.0f} GB/s, matmul "
             + ", ".join(f"{d} {t:.0f}" for d, t in result["matmul_tflops"].items())
             + " TFLOP/s (same run). "
-            "Median ms; peak MB above the inputs."
+            "Median ms; peak MB above the inputs (n/a for floors and for CUDA-graph replays, whose pool "
+            "is allocated at capture)."
         ),
         "",
         "| dtype | B | side | provider | input | ms | vs lumenbridge | peak MB |",
@@ -326,7 +336,7 @@ def markdown(result: dict) -> str:
         ratio = f"{r['ms'] / ours:.2f}x" if ours else ""
         lines.append(
             f"| {r['dtype']} | {r['batch']} | {r['side']} | {r['provider']} | {r['input']} | {r['ms']:.4f} | "
-            f"{ratio} | {r['peak_mb']:.0f} |"
+            f"{ratio} | {megabytes(r['peak_mb'])} |"
         )
     paths = sorted({(r["dtype"], r["path"]) for r in rows if r["path"]})
     lines += ["", "LumenBridge path: " + "; ".join(f"{d}: {p}" for d, p in paths)]

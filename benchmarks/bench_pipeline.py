@@ -64,7 +64,7 @@ def photo_jpeg(seed: int) -> bytes:
 
 def write_images(folder: Path, count: int, processes: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    existing = sorted(folder.glob("*.jpg"))
+    existing = image_files(folder)
     if len(existing) >= count:
         paths = existing[:count]
         return {"images": count, "bytes": sum(path.stat().st_size for path in paths), "seconds": 0.0, "reused": True}
@@ -169,13 +169,14 @@ class PeakMemory(threading.Thread):
             time.sleep(0.2)
 
 
-def end_to_end(folder: Path, out: Path, decode: str, args, report: Path) -> dict:
+def end_to_end(images: Path, out: Path, decode: str, args, report: Path) -> dict:
+    """`lumenbridge tokenize` of the images that `images`, a file list, names."""
     command = [
         sys.executable,
         "-m",
         "lumenbridge",
         "tokenize",
-        str(folder),
+        str(images),
         "--out",
         str(out),
         "--decode",
@@ -286,6 +287,9 @@ def main() -> int:
         results["images"] = write_images(folder, count, args.workers)
         print(f"images: {results['images']}", flush=True)
         paths = image_files(folder)[:count]
+        # The same images for every row, though a reused --data folder may hold more.
+        listed = scratch / f"images-{count}.txt"
+        listed.write_text("".join(f"{path}\n" for path in paths))
         results["disk_write_bytes_per_second"] = disk_write_speed(scratch, 1024 if args.quick else 4096)
         # Whether more than one shard writer could raise the ceiling.
         results["disk_write_bytes_per_second_4_writers"] = disk_write_speed(scratch, 1024 if args.quick else 4096, 4)
@@ -299,17 +303,17 @@ def main() -> int:
         )
         print(json.dumps(results["decode_only"], indent=1), flush=True)
         results["end_to_end"] = {
-            "gpu": end_to_end(folder, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json")
+            "gpu": end_to_end(listed, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json")
         }
         # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
         tokens_bytes = results["end_to_end"]["gpu"]["token_bytes_on_disk"]
         if not args.no_tmpfs and TMPFS.is_dir() and shutil.disk_usage(TMPFS).free > 1.5 * tokens_bytes:
             results["end_to_end"]["gpu_to_tmpfs"] = end_to_end(
-                folder, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json"
+                listed, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json"
             )
         if not (args.quick or args.skip_cpu_e2e):
             results["end_to_end"]["cpu"] = end_to_end(
-                folder, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
+                listed, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
             )
     finally:
         if not args.data:

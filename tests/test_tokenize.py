@@ -185,8 +185,11 @@ def test_export_with_a_dynamic_image_size(device, dtype, native_ops):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
-def test_cuda_graph_capture_and_reduce_overhead(device, cuda_kernels):
-    model = VisualTokenizer(BASE, seed=0).to(device, torch.bfloat16).eval()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["fused-bf16", "composed-fp32"])
+def test_cuda_graph_capture_and_reduce_overhead(device, dtype, cuda_kernels):
+    """Both CUDA paths from uint8 images: the composed one's normalization
+    must not copy from host memory, which a capture refuses."""
+    model = VisualTokenizer(BASE, seed=0).to(device, dtype).eval()
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8, device=device)
     with torch.inference_mode():
         expected = model(images)

@@ -268,10 +268,16 @@ def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     header = scan_tar(str(tmp_path / "damaged.tar"))[1].offset - 512  # the header of the second sample's image
     damaged[header : header + 100] = b"\x07" * 100
     (tmp_path / "damaged.tar").write_bytes(bytes(damaged))
+    # And one cut just before a header: every member it holds is whole, but the end blocks are missing.
+    make_tar(tmp_path / "short.tar", images[:2])
+    with tarfile.open(tmp_path / "short.tar") as tar:
+        cut_at = tar.getmembers()[2].offset  # the second sample's first header
+    (tmp_path / "short.tar").write_bytes((tmp_path / "short.tar").read_bytes()[:cut_at])
 
     out = tmp_path / "out"
     pattern = str(tmp_path / "data-{000..001}.tar")
-    code = tokenize(pattern, tmp_path / "cut.tar", tmp_path / "damaged.tar", "--out", out, "--shard-size", "4")
+    tars = [tmp_path / name for name in ("cut.tar", "damaged.tar", "short.tar")]
+    code = tokenize(pattern, *tars, "--out", out, "--shard-size", "4")
     assert code == 1
     index = index_of(out)
     tokenized = [entry["key"] for entry in index]
@@ -285,6 +291,8 @@ def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     assert "truncated" in errors["cut/000001"]
     damaged_key = next(key for key in errors if key.startswith(str(tmp_path / "damaged.tar")))
     assert "unreadable tar header" in errors[damaged_key]
+    assert tokenized[11:] == ["short/000000"]
+    assert "without its end-of-archive blocks" in errors[f"{tmp_path / 'short.tar'}@{cut_at}"]
     assert "data-001/._hidden" not in errors and "data-001/._hidden" not in tokenized
     # A tar sample's tokens are those of the same image as a file.
     reader = lumenbridge.read_tokens(out)

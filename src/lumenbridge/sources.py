@@ -302,9 +302,10 @@ def scan_tar(path: str) -> list[Sample]:
     """The samples of one WebDataset tar, in member order, reading only the
     member headers. A sample is the run of consecutive members sharing a key;
     its image member is _image_member's.
-    Hidden members (._name) are ignored. A tar that cannot be read, or whose
-    headers stop being readable part-way, adds one error sample (key: the
-    tar's path and the byte offset) for what could not be listed."""
+    Hidden members (._name) are ignored. A tar that cannot be read, whose
+    headers stop being readable part-way, or that ends without its
+    end-of-archive blocks (cut between members), adds one error sample (key:
+    the tar's path and the byte offset) for what could not be listed."""
     samples: list[Sample] = []
     key, members, size = None, {}, 0
     try:
@@ -322,11 +323,16 @@ def scan_tar(path: str) -> list[Sample]:
             if key is not None:
                 samples.append(_sample_of(path, key, members, size))
                 key = None
-            # tarfile stops quietly at a damaged header; what follows must be the zero end blocks.
+            # tarfile stops quietly at a damaged header, and at the end of a
+            # file cut between members; what follows must be the zero end blocks.
             end = tar.offset
             raw.seek(end)
-            if raw.read(1024).strip(b"\0"):
+            tail = raw.read(1024)
+            if tail.strip(b"\0"):
                 reason = f"unreadable tar header at byte {end}; the rest of the tar is skipped"
+                samples.append(Sample(f"{path}@{end}", path, error=reason))
+            elif len(tail) < 512:
+                reason = f"the tar ends at byte {end} without its end-of-archive blocks: it was cut short there"
                 samples.append(Sample(f"{path}@{end}", path, error=reason))
     except (OSError, tarfile.TarError, EOFError) as error:
         if key is not None:  # the sample being listed when the tar ended

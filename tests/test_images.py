@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
 import torch
 from conftest import save_image
-from PIL import Image
+from PIL import Image, ImageOps
 
 from lumenbridge import images
 from lumenbridge.images import (
@@ -79,6 +80,37 @@ def test_exif_orientation_is_applied(tmp_path):
     top, bottom = upright.getpixel((10, 5)), upright.getpixel((10, 35))
     assert top[0] > 200 and top[2] < 50
     assert bottom[2] > 200 and bottom[0] < 50
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_orientation_turns_as_pillows_exif_transpose_does(tmp_path, orientation):
+    stored = Image.new("RGB", (6, 4))
+    stored.putdata([(16 * index, 255 - 10 * index, 7 * index) for index in range(24)])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(tmp_path / "o.png", exif=exif)
+    want = ImageOps.exif_transpose(Image.open(tmp_path / "o.png")).convert("RGB")
+    assert list(decode_image(tmp_path / "o.png").getdata()) == list(want.getdata())
+
+
+def test_an_exif_tag_pillow_cannot_write_back_still_decodes_upright(tmp_path):
+    """Rewriting the EXIF (what exif_transpose does) fails on a tag whose type
+    does not match its value (AttributeError with Pillow 13, and the whole run
+    stopped); only the orientation is read now."""
+    stored = Image.new("RGB", (40, 20), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 20, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    exif[0x010F] = "Maker"
+    exif[0x8769] = {0x9003: "2020:01:01 00:00:00"}  # data after Make's, so that a FLOAT still reads
+    buffer = io.BytesIO()
+    stored.save(buffer, "JPEG", exif=exif.tobytes(), quality=95)
+    data = bytearray(buffer.getvalue())
+    entry = data.find(b"\x01\x0f\x00\x02", data.find(b"Exif\0\0"))  # Make, ASCII (big-endian)
+    data[entry + 3] = 11  # now FLOAT
+    (tmp_path / "odd.jpg").write_bytes(bytes(data))
+    upright = decode_image(tmp_path / "odd.jpg")
+    assert upright.size == (20, 40) and upright.getpixel((10, 5))[0] > 200
 
 
 def test_large_jpegs_are_decoded_at_reduced_scale_but_never_below_the_needed_side(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 import torch
-from PIL import Image, ImageMath, ImageOps
+from PIL import Image, ImageMath
 from tqdm import tqdm
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
@@ -41,6 +41,30 @@ SAMPLE_IMAGE_NAMES = (
     "retina.jpg",
     "camera.png",
 )
+
+
+# The EXIF orientation tag, and the transpose that shows each value (2-8) upright.
+ORIENTATION_TAG = 0x0112
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The image's EXIF orientation, 1 (as stored) where it has none or its EXIF
+    cannot be parsed: cameras write malformed tags that Pillow raises on in
+    many ways, and the pixels are fine."""
+    try:
+        value = image.getexif().get(ORIENTATION_TAG, 1)
+    except Exception:  # noqa: BLE001 - any parse failure of optional metadata
+        return 1
+    return int(value) if value in UPRIGHT else 1
 
 
 class ImageTooLarge(ValueError):
@@ -193,8 +217,10 @@ def decode_opened(
     if min_side is not None:
         image.draft("RGB", (min_side, min_side))
     check_pixel_count(image.size, max_pixels)
-    ImageOps.exif_transpose(image, in_place=True)
-    return to_rgb(image, background)
+    # Only the orientation is read: ImageOps.exif_transpose also rewrites the
+    # EXIF, which fails on tags Pillow can read but not write.
+    transpose = UPRIGHT.get(exif_orientation(image))
+    return to_rgb(image if transpose is None else image.transpose(transpose), background)
 
 
 def crop_box(width: int, height: int, resize: int, image_size: int) -> tuple[float, float, float, float]:

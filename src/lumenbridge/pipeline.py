@@ -40,6 +40,7 @@ from .images import (
     IMAGE_READ_ERRORS,
     WHITE,
     decode_opened,
+    exif_orientation,
     image_loader,
     open_image,
     preprocess,
@@ -117,7 +118,7 @@ class SampleDataset(torch.utils.data.Dataset):
             with open_image(io.BytesIO(data)) as image:
                 size = image.size
                 if self.gpu and self._for_gpu(image):
-                    orientation = image.getexif().get(0x0112, 1)
+                    orientation = exif_orientation(image)
                     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                     return Item(index, None, encoded, orientation, size, None, time.perf_counter() - started)
                 rgb = decode_opened(image, self.resize, max_pixels=self.max_pixels, background=self.background)

@@ -1,8 +1,9 @@
 // The tokenizer composed from per-layer kernels: LumenBridge's depthwise
-// kernels for the device, ATen for the pointwise convolutions (cuDNN/oneDNN,
-// honouring PyTorch's TF32 switch), activations and norms. It is the CPU
-// implementation of lumenbridge::tokenize and the CUDA one for configurations
-// the fused kernels do not cover; it follows the reference model step by step.
+// kernels for the device, ATen for the pointwise convolutions (cuDNN,
+// honouring PyTorch's TF32 switch; a GEMM or oneDNN on the CPU), activations
+// and norms. It is the CPU implementation of lumenbridge::tokenize and the
+// CUDA one for configurations the fused kernels do not cover; it follows the
+// reference model step by step.
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -85,6 +86,17 @@ at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
   return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
 }
 
+// The pointwise convolution. On the CPU a plain NCHW input goes through one
+// batched GEMM over the channels: oneDNN's 1x1 convolution of plain NCHW
+// tensors took about twice as long at the presets' stages
+// (benchmarks/NOTES.md, thirty-first session). Elsewhere ATen's convolution.
+at::Tensor pointwise_conv(const at::Tensor& x, const TokenizeStage& stage) {
+  if (!x.is_cpu() || !x.is_contiguous()) return at::conv2d(x, stage.pw_weight, stage.pw_bias);
+  const int64_t n = x.size(0), cin = x.size(1), h = x.size(2), w = x.size(3), cout = stage.out_channels;
+  const at::Tensor weight = stage.pw_weight.view({cout, cin}).expand({n, cout, cin});
+  return at::baddbmm(stage.pw_bias.view({1, cout, 1}), weight, x.view({n, cin, h * w})).view({n, cout, h, w});
+}
+
 }  // namespace
 
 std::vector<int64_t> TokenizeProblem::output_sizes() const {
@@ -103,7 +115,7 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
     const TokenizeStage& stage = p.stages[i];
     const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
     x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, stage_depthwise_problem(p, i, p.layout));
-    x = apply_stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
+    x = apply_stage_norm(pointwise_conv(x, stage), stage, p);
     if (i + 1 < p.stages.size()) x = activate(x, p.activation);
   }
   return tokens_from(x, p);

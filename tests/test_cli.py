@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -149,6 +150,28 @@ def test_weights_from_a_checkpoint(tmp_path, good_images, capsys):
     tokens, metadata = read_output(out)
     assert metadata["weights"] == str(tmp_path / "checkpoint")
     torch.testing.assert_close(tokens, expected_tokens(model, good_images, 48))
+
+
+@pytest.mark.parametrize("fmt", ["NCHW", "NHWC"])
+def test_tokens_are_stored_as_sequences_whatever_the_checkpoints_format(tmp_path, good_images, fmt):
+    config = dataclasses.replace(TokenizerConfig.preset(SMALL), output_fmt=fmt)
+    VisualTokenizer(config, seed=5).save_pretrained(tmp_path / "checkpoint")
+    out = tmp_path / "tokens.safetensors"
+    weights = ["--weights", str(tmp_path / "checkpoint"), "--image-size", "32", "--workers", "0", "--device", "cpu"]
+    assert cli.main(["tokenize", *good_images, "--out", str(out), *weights]) == 0
+    tokens, _ = read_output(out)
+    want = expected_tokens(VisualTokenizer(TokenizerConfig.preset(SMALL), seed=5), good_images, 32)
+    assert tokens.shape == (3, 4, 384)
+    torch.testing.assert_close(tokens, want)
+
+
+def test_a_checkpoint_for_other_than_rgb_images_is_a_usage_error(tmp_path, good_images, capsys):
+    config = dataclasses.replace(TokenizerConfig.preset(SMALL), in_chans=1, mean=(0.5,), std=(0.25,))
+    VisualTokenizer(config, seed=0).save_pretrained(tmp_path / "checkpoint")
+    out = tmp_path / "out"
+    assert cli.main(["tokenize", *good_images, "--out", str(out), "--weights", str(tmp_path / "checkpoint")]) == 2
+    assert "takes 1-channel images" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_bad_checkpoint_is_a_usage_error(tmp_path, good_images, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -50,7 +51,8 @@ TOKEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 TOKENIZE_HELP = """\
 Tokenize images into a folder of shards (--out DIR) or one file (--out FILE.safetensors).
 
---out DIR (any --out not ending in .safetensors, or an existing folder):
+--out DIR (an existing folder, or a new path not ending in .safetensors; an
+existing file is written as one file):
 shards DIR/tokens-SSSSS-of-NNNNN.safetensors of --shard-size images each, the
 tensor 'tokens' [rows, T, D] in each; DIR/index.jsonl, one JSON line per
 image in input order: key (a file's absolute path, or a tar sample's
@@ -206,6 +208,13 @@ def load_model(args: argparse.Namespace) -> tuple[lumenbridge.VisualTokenizer, s
             model = lumenbridge.VisualTokenizer.from_pretrained(args.weights, backend=args.backend)
         except Exception as error:  # any failure to read the checkpoint is a bad --weights argument
             raise UsageError(f"cannot load --weights {args.weights}: {error}") from error
+        if model.config.in_chans != 3:
+            raise UsageError(
+                f"--weights {args.weights} takes {model.config.in_chans}-channel images; tokenize decodes "
+                "every image to RGB (3 channels)"
+            )
+        # Tokens are stored as [N, T, D] whatever format the checkpoint's forward returns.
+        model.config = dataclasses.replace(model.config, output_fmt="NLC")
         return model, args.weights
     preset = args.preset or "lumenbridge-base"
     seed = 0 if args.seed is None else args.seed

@@ -816,6 +816,37 @@ def test_every_node_must_see_the_same_output_folder(tmp_path, images):
     assert not (homes[1] / "out").exists()
 
 
+def test_default_workers_share_the_cpus_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    group = type("Group", (), {"local_world": 2})()
+    assert cli.default_workers(group) == 3
+
+
+def test_ranks_on_different_backends_are_refused(tmp_path, job):
+    """The manifest records rank 0's execution settings: a rank on another
+    backend would write shards whose last bits differ, unrecorded."""
+    arguments, _ = job
+    commands = static_nodes([*arguments, "--out", tmp_path / "two"])
+    commands = [commands[0] + ["--backend", "native"], commands[1] + ["--backend", "reference"]]
+    (code0, _, stderr0), (code1, _, _) = run_nodes(commands, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 != 0 and code1 != 0  # torchrun's own code for a failed worker
+    assert "different execution settings" in stderr0 and "'backend': 'reference'" in stderr0
+    assert not (tmp_path / "two").exists()  # refused before anything was written
+
+
+def test_an_error_of_one_rank_is_printed_by_that_rank(tmp_path, job):
+    """--weights found on node 0 only: node 1 says so itself, for no other rank sees it."""
+    arguments, _ = job
+    homes = [tmp_path / "node0", tmp_path / "node1"]
+    VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0).save_pretrained(homes[0] / "ckpt")
+    own_weights = [argument for argument in arguments if argument not in ("--preset", SMALL)]
+    commands = static_nodes([*own_weights, "--out", tmp_path / "two", "--weights", "ckpt"])
+    (code0, _, _), (code1, _, stderr1) = run_nodes(commands, homes)
+    assert code0 != 0 and code1 != 0
+    assert "lumenbridge: error (rank 1): cannot load --weights ckpt" in stderr1, stderr1
+
+
 # --- the GPU decode path (its logic on the CPU here; on CUDA in gpu_check) ---------------------
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -275,6 +276,17 @@ def test_the_build_folder_records_what_it_was_built_from(tmp_path, cache):
     record = json.loads((path.parent / extension.COMPLETE_MARKER).read_text())
     assert record["toolchain"]["cxx"]["path"] == os.path.realpath(shutil.which(extension._cxx_compiler()))
     assert record["toolchain"]["torch"][0] == __import__("torch").__version__
+
+
+def test_a_finished_build_is_readable_by_every_user_the_umask_allows(tmp_path, cache):
+    """The staging folder is created owner-only; the build it becomes is not
+    (root builds in an image, another user runs)."""
+    previous = os.umask(0o022)
+    try:
+        path, _ = extension.compile_library(tiny_library(tiny_source(tmp_path / "src")))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o755
 
 
 # --- item 5: the C++ standard comes from torch ---------------------------------------------

@@ -67,6 +67,18 @@ def staging_folder(directory: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """This process's umask. Linux reports it in /proc; elsewhere it is read by
+    setting it and back, which a thread creating a file meanwhile could see."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _mode_for(path: str, staged: str) -> int:
     """The permissions for the new file: those of the file it replaces, else
     those of a newly created file (0666 less the umask, learnt by creating

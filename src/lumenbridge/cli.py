@@ -508,7 +508,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
     dtype = TOKEN_DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype).eval()
-    workers = min(4, os.cpu_count() or 1) if args.workers is None else args.workers
+    workers = min(4, usable_cpus()) if args.workers is None else args.workers
     if args.max_tokens is not None:
         args.workers = workers
         args.dtype = dtype_name
@@ -529,9 +529,16 @@ def run_tokenize(args: argparse.Namespace) -> int:
     return write_result(args, model, result, weights, preprocess, device, backend, len(paths))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a Slurm or cgroup CPU set, taskset), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def default_workers(group) -> int:
-    """Decoding processes per rank: the CPUs shared between this machine's ranks, at most 16."""
-    return max(1, min(16, (os.cpu_count() or 1) // max(1, group.local_world)))
+    """Decoding processes per rank: the usable CPUs shared between this machine's ranks, at most 16."""
+    return max(1, min(16, usable_cpus() // max(1, group.local_world)))
 
 
 def check_gpu_decode(device: torch.device) -> None:
@@ -551,12 +558,17 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
 
     created = not os.path.exists(args.out)
 
-    def fail(error: Exception) -> int:
-        if group.main:
+    def fail(error: Exception, this_rank_only: bool = False) -> int:
+        """Exit 2 with the message, printed by rank 0 for an error every rank
+        shares, by the rank itself for one of its own (its device, backend or
+        weights), which the other ranks never see."""
+        if this_rank_only and group.distributed:
+            print(f"lumenbridge: error (rank {group.rank}): {error}", file=sys.stderr)
+        elif group.main:
             print(f"lumenbridge: error: {error}", file=sys.stderr)
-            if created:
-                with contextlib.suppress(OSError):
-                    os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
+        if group.main and created:
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
         group.close()
         return EXIT_USAGE
 
@@ -583,7 +595,7 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
     except (UsageError, OutputError) as error:
-        return fail(error)
+        return fail(error, this_rank_only=True)
 
     dtype = TOKEN_DTYPES[dtype_name]
     digest = pipeline.weights_digest(model)  # the weights as loaded: --dtype is recorded apart
@@ -852,8 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument(
         "--workers",
         type=int,
-        help="image decoding processes (per rank); 0 decodes in this process (default: min(4, CPU count) for one "
-        "file; with --out DIR the CPUs shared between this machine's ranks, at most 16)",
+        help="image decoding processes (per rank); 0 decodes in this process (default: min(4, usable CPUs) for "
+        "one file; with --out DIR the usable CPUs shared between this machine's ranks, at most 16; usable: "
+        "the CPU affinity's)",
     )
     tokenize.add_argument("--device", help="torch device (default: cuda, else mps, else cpu)")
     tokenize.add_argument(

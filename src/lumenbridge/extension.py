@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import current_umask
 from .config import KERNEL_SIZES
 
 try:
@@ -302,6 +303,8 @@ def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> 
         os.rename(built, staging / f"{library.name}.so")
         description = {"sources": [str(s) for s in library.sources], "toolchain": toolchain}
         (staging / COMPLETE_MARKER).write_text(json.dumps(description, indent=1))
+        # mkdtemp's 0700 would hide the build from every other user of the cache.
+        os.chmod(staging, 0o777 & ~current_umask())
         os.rename(staging, folder)
     except Exception as error:  # any compiler or loader failure means "no native kernels"
         shutil.rmtree(staging, ignore_errors=True)

@@ -749,6 +749,7 @@ def run(
     plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
     if not plan:  # files and folders always add samples: every input is an empty tar
         raise shards.OutputError("the inputs hold no sample: every tar named is empty")
+    check_ranks_agree(execution_settings(options), allow_mixed, group)
     count = shards.shard_count(len(plan), options.shard_size)
     manifest = build_manifest(plan_digest(plan), len(plan), count, options, model, weights, digest)
     # What the tokens depend on; not how --weights was spelled (the digest says which weights they are).
@@ -831,6 +832,19 @@ def run(
         shape,
         repeated_keys(plan),
     )
+
+
+def check_ranks_agree(settings: dict, allow_mixed: bool, group: Group) -> None:
+    """Fails every rank unless all tokenize with rank 0's execution settings
+    (the manifest records rank 0's), or allow_mixed: a rank on another
+    backend or device type, say, would change its shards' last bits."""
+    every = group.all_gather(settings)
+    others = [f"rank {rank} {theirs}" for rank, theirs in enumerate(every) if theirs != every[0]]
+    if others and not allow_mixed:
+        raise shards.OutputError(
+            f"the ranks would tokenize with different execution settings (rank 0 {every[0]}; {'; '.join(others)}), "
+            "which can change the last bits of their shards; pass --allow-mixed to run anyway"
+        )
 
 
 def check_every_rank_sees(out: str, stored: dict, group: Group) -> None:

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .atomic import STAGING_PREFIX, remove_abandoned, staging_folder, write_atomically
+from .atomic import STAGING_PREFIX, current_umask, remove_abandoned, staging_folder, write_atomically
 
 MANIFEST = "lumenbridge.json"
 INDEX = "index.jsonl"
@@ -406,12 +406,12 @@ class ShardWriter:
                 os.fsync(file.fileno())
             staged.append((part, target))
         for part, target in staged:
-            os.chmod(part, 0o644 & ~_umask())
+            os.chmod(part, 0o644 & ~current_umask())
             os.replace(part, target)
         fsync_directory(os.path.dirname(index_path))
         if before_rename is not None:
             before_rename()
-        os.chmod(self.folder / self.name, 0o644 & ~_umask())
+        os.chmod(self.folder / self.name, 0o644 & ~current_umask())
         os.replace(self.folder / self.name, os.path.join(self.directory, self.name))
         fsync_directory(self.directory)
         self._staging.__exit__(None, None, None)
@@ -420,12 +420,6 @@ class ShardWriter:
         with contextlib.suppress(OSError):
             self.file.close()
         self._staging.__exit__(None, None, None)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # --- reading the output back --------------------------------------------------------------

@@ -28,12 +28,12 @@ log = logging.getLogger("lumenbridge")
 # Default per (device type, channels-last input), from the measurements in
 # benchmarks/RESULTS.md: the native kernels where they beat PyTorch, the
 # reference elsewhere.
-#   CUDA, NCHW: native (tokenizer forward 5.4 vs 6.1 ms, training step 15.0
-#     vs 26.4 ms at B=256 fp32; faster in bf16 too).
-#   CUDA, channels-last: native (the fused op reads the 3-channel images in
-#     either layout; see benchmarks/RESULTS.md).
-#   CPU, NCHW: native (tokenizer forward 91 vs 110 ms at B=8).
-#   CPU, channels-last: reference (55 vs 53 ms).
+#   CUDA, either layout: native (the fused op reads the 3-channel images in
+#     either layout: bf16 B=256 forward 1.21 vs 4.56 ms eager).
+#   CPU, NCHW: native (at B=8 forward 95-145 vs 106-142 ms and training step
+#     277-298 vs 270-331 ms in three noisy runs, with 3.2x less memory).
+#   CPU, channels-last: reference (forward 61-201 vs 63-84 ms, training step
+#     269-379 vs 200-272 ms).
 # Other devices (e.g. Apple MPS) always use the reference.
 DEFAULTS = {
     ("cuda", False): "native",

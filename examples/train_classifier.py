@@ -16,7 +16,9 @@ On CUDA the step runs under autocast (bfloat16, or float16 with a GradScaler
 where bfloat16 is unsupported). Each epoch writes a checkpoint folder: the
 tokenizer with save_pretrained, the encoder and head as safetensors, and the
 optimizer, learning-rate schedule and GradScaler state with torch.save
-(tensors and numbers only, read back with weights_only=True). Every epoch
+(tensors and numbers only, read back with weights_only=True); it replaces the
+epoch before, so --checkpoint keeps the newest. A loss that is no longer
+finite stops the run before it is saved. Every epoch
 draws its crops from its own seed, so a run resumed with the same arguments
 ends with the same weights as one that was never interrupted.
 """
@@ -42,6 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from lumenbridge import TokenizerConfig, VisualTokenizer
+from lumenbridge.cli import UsageError, resolve_device
 
 TEXTURES = ("brick", "grass", "gravel")
 CROP = 64
@@ -137,27 +140,34 @@ class Result:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--steps-per-epoch", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--checkpoint", type=Path, default=Path("texture-classifier"), help="checkpoint folder")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="epochs of the whole run")
+    parser.add_argument("--steps-per-epoch", type=int, default=40, help="optimizer steps an epoch")
+    parser.add_argument("--batch-size", type=int, default=32, help="crops a step")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warm-up then cosine)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=Path("texture-classifier"),
+        help="checkpoint folder: it keeps the newest epoch (epoch-N), each save replacing the one before",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the last epoch in --checkpoint")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda[:N] or mps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of every epoch's crops")
     args = parser.parse_args(argv)
     for name in ("epochs", "steps_per_epoch", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be positive and finite, got {args.lr}")
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     try:
-        torch.device(args.device)
-    except RuntimeError as error:
-        parser.error(f"--device {args.device!r}: {error}")
+        resolve_device(args.device)  # exists here, not only spelt right
+    except UsageError as error:
+        parser.error(str(error))
     if args.checkpoint.exists() and not args.checkpoint.is_dir():
         parser.error(f"--checkpoint {args.checkpoint} is a file, not a folder")
     return args
@@ -294,15 +304,32 @@ def train_epoch(model: TextureClassifier, training: Training, regions, epoch: in
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 logits = model(images.to(device))
             loss = F.cross_entropy(logits.float(), labels.to(device))
+            if not math.isfinite(loss.item()):  # saved, it would replace the last good checkpoint
+                raise SystemExit(
+                    f"train_classifier: the loss became {loss.item()} in epoch {epoch}; the checkpoint of the "
+                    "epoch before is kept; train with a lower --lr into another --checkpoint"
+                )
             training.step(loss)
             bar.update(len(images))
             bar.set_postfix(loss=f"{loss.item():.3f}")
     return args.steps_per_epoch * args.batch_size / (time.perf_counter() - started)
 
 
+def check_checkpoint_folder(folder: Path) -> None:
+    """Fails before any training if checkpoints cannot be written in folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"train_classifier: cannot write checkpoints in {folder}: {error.strerror}") from error
+
+
 def main(argv: list[str] | None = None) -> Result:
     args = parse_args(argv)
     device = torch.device(args.device)
+    check_checkpoint_folder(args.checkpoint)
     train_regions, held_out_regions = split(textures())
     if args.resume:
         model, training, done = load_checkpoint(args.checkpoint, device, args)

@@ -44,11 +44,16 @@ class VisionLanguageModel(nn.Module):
 
     def forward(self, images: list[torch.Tensor], input_ids, attention_mask, labels):
         """Sample i holds image i: its placeholders take that image's tokens, in order."""
-        image_embeds = self.projector(self.vision.forward_packed(images).tokens)  # [sum of N_i, hidden]
-        embeds = self.language_model.get_input_embeddings()(input_ids)
+        packed = self.vision.forward_packed(images)
         slots = input_ids == IMAGE_TOKEN_ID
-        if int(slots.sum()) != len(image_embeds):
-            raise ValueError(f"the prompts hold {int(slots.sum())} image placeholders for {len(image_embeds)} tokens")
+        placeholders, lengths = slots.sum(1).tolist(), packed.cu_seqlens.diff().tolist()
+        if placeholders != lengths:  # a count off anywhere would shift every later image's tokens
+            raise ValueError(
+                f"sample i must hold one placeholder per token of image i: the prompts hold {placeholders} "
+                f"placeholders for {len(images)} images of {lengths} tokens"
+            )
+        image_embeds = self.projector(packed.tokens)  # [sum of N_i, hidden]
+        embeds = self.language_model.get_input_embeddings()(input_ids)
         embeds = embeds.masked_scatter(slots[..., None], image_embeds.to(embeds.dtype))
         return self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels)
 

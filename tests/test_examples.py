@@ -23,6 +23,23 @@ def test_vlm_connector_trains_every_part_for_one_step():
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters() if p.requires_grad)
 
 
+def test_vlm_connector_refuses_placeholders_that_do_not_match_the_images():
+    """Counts swapped between samples, or one image for two prompts, would
+    put an image's tokens into another sample's prompt."""
+    import_or_skip("transformers")
+    example = runpy.run_path(str(EXAMPLES / "vlm_connector.py"))
+    model = example["build_model"]()
+    images = [
+        torch.randint(0, 256, (3, 96, 64), dtype=torch.uint8),
+        torch.randint(0, 256, (3, 48, 112), dtype=torch.uint8),
+    ]
+    texts = [torch.randint(3, 128, (4,)) for _ in images]
+    with pytest.raises(ValueError, match=r"hold \[21, 24\] placeholders for 2 images of \[24, 21\] tokens"):
+        model(images, *example["build_batch"]([21, 24], texts))
+    with pytest.raises(ValueError, match="for 1 images of"):
+        model(images[:1], *example["build_batch"]([24, 21], texts))
+
+
 def test_train_classifier_checkpoints_each_epoch_and_resumes_exactly(tmp_path, native_ops):
     """A shortened run: two epochs straight, against one interrupted after its
     first checkpoint and resumed; both end with the same weights."""
@@ -91,12 +108,37 @@ def test_train_classifier_resumes_an_unscaled_run_where_float16_needs_a_scaler(t
         (["--lr", "-1"], "--lr must be positive"),
         (["--seed", str(10**17)], "--seed must be in"),
         (["--device", "gpu0"], "--device 'gpu0'"),
+        (["--lr", "inf"], "--lr must be positive and finite"),
+        *([(["--device", "cuda"], "no such CUDA device here")] if not torch.cuda.is_available() else []),
+        (["--device", "meta"], "choose cpu, cuda[:N] or mps"),
     ],
 )
 def test_train_classifier_bad_arguments_are_one_usage_line(argv, message, train_classifier, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_classifier["parse_args"](argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_classifier_stops_on_a_loss_that_is_not_finite(tmp_path, train_classifier, monkeypatch):
+    """A diverged epoch is not saved over the last good checkpoint."""
+    cross_entropy, calls = train_classifier["F"].cross_entropy, []
+
+    def diverging_in_epoch_two(*arguments):
+        calls.append(1)
+        return cross_entropy(*arguments) * (float("nan") if len(calls) == 2 else 1.0)
+
+    monkeypatch.setattr(train_classifier["F"], "cross_entropy", diverging_in_epoch_two)
+    argv = ["--epochs", "2", "--steps-per-epoch", "1", "--batch-size", "2", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="the loss became nan in epoch 2"):
+        train_classifier["main"]([*argv, "--checkpoint", str(tmp_path)])
+    assert [folder.name for folder in train_classifier["epoch_folders"](tmp_path)] == ["epoch-1"]
+
+
+def test_train_classifier_an_unwritable_checkpoint_fails_before_training(tmp_path, train_classifier, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setitem(train_classifier["main"].__globals__, "train_epoch", lambda *a: pytest.fail("trained first"))
+    with pytest.raises(SystemExit, match="cannot write checkpoints in"):
+        train_classifier["main"](["--device", "cpu", "--checkpoint", str(tmp_path / "afile" / "ck")])
 
 
 def test_train_classifier_checkpoint_must_be_a_folder(tmp_path, train_classifier, capsys):

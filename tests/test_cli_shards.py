@@ -480,22 +480,23 @@ def test_a_folder_of_a_different_run_is_refused(tmp_path, images, capsys):
     assert len(index_of(out)) == 7
 
 
-def test_a_different_batch_size_continues_only_with_allow_mixed(tmp_path, images, capsys):
+@pytest.mark.parametrize(
+    ("flag", "first", "second", "message"),
+    [
+        ("--batch-size", "4", "3", "batch_size: DIR has 4, this command 3"),
+        # The reference and the native kernels differ in the last bits too.
+        ("--backend", "reference", "native", "backend: DIR has 'reference', this command 'native'"),
+    ],
+)
+def test_other_execution_settings_continue_only_with_allow_mixed(
+    tmp_path, images, capsys, flag, first, second, message
+):
     out = tmp_path / "out"
-    assert tokenize(*images, "--out", out, "--batch-size", "4") == 0
-    assert tokenize(*images, "--out", out, "--batch-size", "3") == 2
-    assert "--allow-mixed" in capsys.readouterr().err
-    assert tokenize(*images, "--out", out, "--batch-size", "3", "--allow-mixed") == 0
-
-
-def test_another_backend_continues_only_with_allow_mixed(tmp_path, images, capsys):
-    """The reference and the native kernels differ in the last bits, so a
-    resume on the other one would not give an uninterrupted run's bytes."""
-    out = tmp_path / "out"
-    assert tokenize(*images, "--out", out, "--backend", "reference") == 0
-    assert tokenize(*images, "--out", out, "--backend", "native") == 2
-    assert "backend: DIR has 'reference', this command 'native'" in capsys.readouterr().err
-    assert tokenize(*images, "--out", out, "--backend", "native", "--allow-mixed") == 0
+    assert tokenize(*images, "--out", out, flag, first) == 0
+    assert tokenize(*images, "--out", out, flag, second) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--allow-mixed" in err
+    assert tokenize(*images, "--out", out, flag, second, "--allow-mixed") == 0
 
 
 def test_another_dtype_is_named_as_the_only_difference(tmp_path, images, capsys):

@@ -17,8 +17,9 @@ where bfloat16 is unsupported). Each epoch writes a checkpoint folder: the
 tokenizer with save_pretrained, the encoder and head as safetensors, and the
 optimizer, learning-rate schedule and GradScaler state with torch.save
 (tensors and numbers only, read back with weights_only=True); it replaces the
-epoch before, so --checkpoint keeps the newest. A loss that is no longer
-finite stops the run before it is saved. Every epoch
+epoch before, so --checkpoint keeps the newest. A loss or weights that are
+no longer finite stop the run without saving that epoch (the checkpoint kept
+may already hold large, diverging weights). Every epoch
 draws its crops from its own seed, so a run resumed with the same arguments
 ends with the same weights as one that was never interrupted.
 """
@@ -146,7 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the whole run")
     parser.add_argument("--steps-per-epoch", type=int, default=40, help="optimizer steps an epoch")
     parser.add_argument("--batch-size", type=int, default=32, help="crops a step")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warm-up then cosine)")
+    parser.add_argument(
+        "--lr", type=float, default=2e-3, help="learning rate after warm-up (AdamW, 20 warm-up steps, then cosine)"
+    )
     parser.add_argument(
         "--checkpoint",
         type=Path,
@@ -306,8 +309,8 @@ def train_epoch(model: TextureClassifier, training: Training, regions, epoch: in
             loss = F.cross_entropy(logits.float(), labels.to(device))
             if not math.isfinite(loss.item()):  # saved, it would replace the last good checkpoint
                 raise SystemExit(
-                    f"train_classifier: the loss became {loss.item()} in epoch {epoch}; the checkpoint of the "
-                    "epoch before is kept; train with a lower --lr into another --checkpoint"
+                    f"train_classifier: the loss became {loss.item()} in epoch {epoch}, which is not saved; "
+                    "train with a lower --lr into another --checkpoint"
                 )
             training.step(loss)
             bar.update(len(images))
@@ -347,6 +350,11 @@ def main(argv: list[str] | None = None) -> Result:
     speeds = []
     for epoch in range(done + 1, args.epochs + 1):
         speeds.append(train_epoch(model, training, train_regions, epoch, args, device))
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # the epoch's last step diverged
+            raise SystemExit(
+                f"train_classifier: the weights are no longer finite after epoch {epoch}, which is not saved; "
+                "train with a lower --lr into another --checkpoint"
+            )
         save_checkpoint(args.checkpoint, epoch, model, training, run_settings(args))
     images, labels = held_out_set(held_out_regions)
     result = Result(

@@ -134,6 +134,25 @@ def test_train_classifier_stops_on_a_loss_that_is_not_finite(tmp_path, train_cla
     assert [folder.name for folder in train_classifier["epoch_folders"](tmp_path)] == ["epoch-1"]
 
 
+def test_train_classifier_does_not_save_weights_that_are_not_finite(tmp_path, train_classifier, monkeypatch):
+    """The loss is checked before each step; an epoch's last step can still diverge."""
+    namespace = train_classifier["main"].__globals__
+    train_epoch = namespace["train_epoch"]
+
+    def last_step_diverges_in_epoch_two(model, training, regions, epoch, args, device):
+        speed = train_epoch(model, training, regions, epoch, args, device)
+        if epoch == 2:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("inf"))
+        return speed
+
+    monkeypatch.setitem(namespace, "train_epoch", last_step_diverges_in_epoch_two)
+    argv = ["--epochs", "2", "--steps-per-epoch", "1", "--batch-size", "2", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="the weights are no longer finite after epoch 2"):
+        train_classifier["main"]([*argv, "--checkpoint", str(tmp_path)])
+    assert [folder.name for folder in train_classifier["epoch_folders"](tmp_path)] == ["epoch-1"]
+
+
 def test_train_classifier_an_unwritable_checkpoint_fails_before_training(tmp_path, train_classifier, monkeypatch):
     (tmp_path / "afile").write_text("")
     monkeypatch.setitem(train_classifier["main"].__globals__, "train_epoch", lambda *a: pytest.fail("trained first"))

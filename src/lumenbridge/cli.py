@@ -822,7 +822,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-mixed",
         action="store_true",
         help="continue a DIR whose shards were made with another --batch-size, device type, --backend or "
-        "number of CPU threads (the new shards' tokens may then differ from an uninterrupted run in the last bits)",
+        "number of CPU threads, or run torchrun ranks whose settings differ from rank 0's (the tokens may then "
+        "differ from an uninterrupted one-setting run in the last bits)",
     )
     tokenize.add_argument(
         "--report",

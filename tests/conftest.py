@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +17,14 @@ from PIL import Image
 from lumenbridge import extension, native
 
 HAS_CUDA = torch.cuda.is_available()
+# Set by scripts/gpu_check.sh: there, a torch that sees no GPU would turn every
+# CUDA test into a skip and the run into a pass.
+REQUIRE_CUDA = "LUMENBRIDGE_REQUIRE_CUDA"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(REQUIRE_CUDA) == "1" and not HAS_CUDA:
+        raise pytest.UsageError(f"{REQUIRE_CUDA}=1, but torch {torch.__version__} sees no CUDA GPU")
 
 
 def import_or_skip(name: str) -> ModuleType:

@@ -17,8 +17,12 @@ SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--workers", "0", "--device", "cpu"]
 
 
-def save_image(path, size, color=(200, 30, 90)):
-    Image.new("RGB", size, color).save(path)
+def save_noise(path, size, seed):
+    """Seeded noise: a flip, a turn or another image's pixels change every token."""
+    pixels = torch.randint(
+        0, 256, (size[1], size[0], 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+    Image.fromarray(pixels.numpy()).save(path)
     return str(path)
 
 
@@ -26,7 +30,7 @@ def save_image(path, size, color=(200, 30, 90)):
 def photos(tmp_path):
     # (width, height): landscape, portrait, square, and one far over a 24-token budget.
     sizes = [(300, 200), (120, 250), (64, 64), (2000, 900)]
-    return [save_image(tmp_path / f"photo{i}.png", size) for i, size in enumerate(sizes)]
+    return [save_noise(tmp_path / f"photo{i}.png", size, seed=i) for i, size in enumerate(sizes)]
 
 
 def read(path):

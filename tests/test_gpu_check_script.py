@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import HAS_CUDA, REQUIRE_CUDA
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -90,3 +92,18 @@ def test_pack_leaves_one_archive_of_every_log(tmp_path):
     assert [p.name for p in out.iterdir()] == ["logs.tar.gz"]
     listing = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True, check=True)
     assert "./summary.txt" in listing.stdout.split() and "./build.log" in listing.stdout.split()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks a machine without a CUDA GPU")
+def test_a_required_gpu_that_torch_cannot_see_fails_the_tests(tmp_path):
+    """What gpu_check.sh sets for its tests: without it, every CUDA test skips and the step passes."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_config.py")],
+        env={**os.environ, REQUIRE_CUDA: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    assert run.returncode != 0 and "sees no CUDA GPU" in run.stdout + run.stderr

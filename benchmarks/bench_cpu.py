@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import statistics
 import time
@@ -136,7 +137,7 @@ def markdown(rows) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        forward, train = (f"{ms:.2f}" if ms == ms else "n/a" for ms in (r["forward"], r["train"]))
+        forward, train = ("n/a" if math.isnan(ms) else f"{ms:.2f}" for ms in (r["forward"], r["train"]))
         lines.append(f"| {r['case']} | {r['layout']} | {r['impl']} | {forward} | {train} |")
     return "\n".join(lines) + "\n"
 

@@ -752,9 +752,8 @@ def run(
     check_ranks_agree(execution_settings(options), allow_mixed, group)
     count = shards.shard_count(len(plan), options.shard_size)
     manifest = build_manifest(plan_digest(plan), len(plan), count, options, model, weights, digest)
-    # What the tokens depend on; not how --weights was spelled (the digest says which weights they are).
-    model_content = {key: value for key, value in manifest["model"].items() if key != "weights"}
-    content = {**{key: manifest[key] for key in ("version", "inputs", "settings")}, "model": model_content}
+    content = {key: manifest[key] for key in ("version", "inputs", "settings")}
+    content["model"] = shards.decisive_model(manifest["model"])
     fingerprint = hashlib.sha256(shards.dumps(content).encode()).hexdigest()
     metadata = {"format": "lumenbridge-token-shard", "run": fingerprint, "config": model.config.to_json()}
 

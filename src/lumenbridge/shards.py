@@ -135,6 +135,13 @@ def ours(directory: str, name: str) -> bool:
     return _staging(directory, name)
 
 
+def decisive_model(model: dict) -> dict:
+    """A manifest's model section less how --weights was spelled: weights_digest
+    says which weights they are. What both the resume check and a shard's run
+    id compare."""
+    return {key: value for key, value in model.items() if key != "weights"}
+
+
 def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
     """What differs between the run that made DIR and this one; [] if it may continue.
     The inputs and every setting that decides the tokens must match; the execution
@@ -150,9 +157,9 @@ def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
         )
     for section in ("settings", "model") + (() if allow_mixed else ("execution",)):
         old, now = stored.get(section) or {}, new[section]
+        if section == "model":
+            old, now = decisive_model(old), decisive_model(now)
         for name in sorted(set(old) | set(now)):
-            if section == "model" and name == "weights":
-                continue  # how --weights was spelled; weights_digest says which weights they are
             if old.get(name) != now.get(name):
                 differences.append(f"{name}: DIR has {old.get(name)!r}, this command {now.get(name)!r}")
     return differences

@@ -83,8 +83,8 @@ reason and skipped. Transparent pixels are composited onto --background.
 
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
-workers, summed), GPU decode, transfer (host to GPU and back), tokenize (the
-model) and write.
+workers, summed), GPU decode (of which nvJPEG, and resize and crop), transfer
+(host to GPU and back), tokenize (the model) and write.
 """
 
 EXIT_CODES_HELP = """\
@@ -661,7 +661,17 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
     return EXIT_OK
 
 
-TIME_PARTS = ("decode", "gpu_decode", "transfer", "tokenize", "write", "input_wait", "read_wait")
+TIME_PARTS = (
+    "decode",
+    "gpu_decode",
+    "gpu_jpeg",
+    "gpu_resize",
+    "transfer",
+    "tokenize",
+    "write",
+    "input_wait",
+    "read_wait",
+)
 
 
 def summary_numbers(result) -> dict:
@@ -701,7 +711,8 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
     )
     print(
         "where the time went (seconds, summed over processes): "
-        f"decode {seconds['decode']:.1f} (in the workers), gpu decode {seconds['gpu_decode']:.1f}, "
+        f"decode {seconds['decode']:.1f} (in the workers), gpu decode {seconds['gpu_decode']:.1f} "
+        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, resize and crop {seconds['gpu_resize']:.1f}), "
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
         f"waiting for decoded images {seconds['input_wait']:.1f}"

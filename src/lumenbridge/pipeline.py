@@ -207,17 +207,18 @@ class Stats:
     skipped: int = 0
     shards: int = 0
     decode: float = 0.0  # CPU reading and decoding, summed over the workers
-    gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop
+    gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop (the decoding thread's time)
+    gpu_jpeg: float = 0.0  # of which in nvJPEG's batched decode call
+    gpu_resize: float = 0.0  # of which in the resize and crop
     transfer: float = 0.0  # host-to-device images and device-to-host tokens
     tokenize: float = 0.0  # the model
     write: float = 0.0  # writing shards: rows, fsync, renames
     input_wait: float = 0.0  # the model's thread waiting for decoded images
     read_wait: float = 0.0  # with --decode gpu: the decoding thread waiting for the workers' bytes
     wall: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "extra"}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 class Prepared(NamedTuple):
@@ -593,7 +594,9 @@ class _Prepare:
         device = options.device
         spans = batch.spans
         data = {index: batch.encoded[start:end] for index, (start, end) in spans.items()}
+        begun = time.perf_counter()
         decoded = dict(zip(data, decode_jpegs(list(data.values()), device), strict=True))
+        self.stats.gpu_jpeg += time.perf_counter() - begun
         good, failures, on_gpu, on_cpu = [], [], [], []
         cpu_pixels = iter(batch.pixels) if batch.pixels is not None else iter(())
         for item in batch.items:
@@ -620,7 +623,9 @@ class _Prepare:
             return Prepared(shard, batch, good, failures, None, None)
         pixels = torch.empty((len(good), 3, options.image_size, options.image_size), dtype=torch.uint8, device=device)
         if on_gpu:
+            begun = time.perf_counter()
             resized = crop_resize([image for _, image in on_gpu], options.image_size, options.resize)
+            self.stats.gpu_resize += time.perf_counter() - begun
             pixels.index_copy_(0, _on(device, [p for p, _ in on_gpu], torch.int64), resized)
         if on_cpu:
             host = torch.stack([image for _, image in on_cpu])

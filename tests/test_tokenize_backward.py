@@ -24,6 +24,7 @@ from lumenbridge.testing import (
     TokenizeCase,
     compare_gradients_to_float64,
     compare_to_float64,
+    exactly_normalized,
     float64_model,
     tensor_report,
     tokenize_cases,
@@ -57,6 +58,40 @@ def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, r
     if device == "cuda":
         request.getfixturevalue("cuda_kernels")
     assert_within(compare_gradients_to_float64(case.model(), case.images(), op, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["relu-nchw-out", "small"])
+def test_the_gradient_rule_takes_exact_normalization_as_pytorchs_own(name, dtype):
+    """PyTorch's reference on the images normalized exactly and rounded once
+    (as the fused CUDA kernels normalize) passes the rule: with ReLU, its
+    stage-2 gradients in float16 are 24-64x those of the reference's own
+    normalization, a unit in the last place flipping near-zero masks."""
+    case = case_named(name)
+    model64 = float64_model(case.model())
+
+    def exactly(model, images):
+        return model.forward_layers(exactly_normalized(model64, images, model.pixel_mean.dtype, "cpu"), "reference")
+
+    assert_within(compare_gradients_to_float64(case.model(), case.images(), exactly, dtype, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["relu-nchw-out", "small"])
+def test_the_gradient_rule_rejects_the_gradients_of_other_images(name, dtype):
+    """Taking the larger of two roundings as PyTorch's error leaves the rule
+    able to fail: PyTorch's own gradients from other images fail it (all but
+    the token norm's bias, whose gradient is the cotangent's sum whatever the
+    images)."""
+    case = case_named(name)
+    others = case.images(seed=1)
+
+    def other_images(model, images):
+        return model.forward_layers(others, "reference")
+
+    reports = compare_gradients_to_float64(case.model(), case.images(seed=0), other_images, dtype, "cpu")
+    assert reports.pop("token_norm.bias").ok
+    assert all(not report.ok for report in reports.values()), reports
 
 
 @pytest.mark.parametrize("stage_norm", ["none", "layernorm"])

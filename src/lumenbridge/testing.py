@@ -220,6 +220,13 @@ def _gradients(model: VisualTokenizer, images: torch.Tensor, cotangents: list[to
     return grads
 
 
+def exactly_normalized(model64: VisualTokenizer, images: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """uint8 images normalized in float64 and rounded once to dtype, as the
+    fused CUDA kernels normalize them (PyTorch's reference rounds after the
+    subtraction and again after the division, in dtype)."""
+    return ((images.double() - model64.pixel_mean) / model64.pixel_std).to(device, dtype)
+
+
 def compare_gradients_to_float64(
     model: VisualTokenizer, images: torch.Tensor, run, dtype: torch.dtype, device: torch.device | str
 ) -> dict[str, ErrorReport]:
@@ -227,7 +234,17 @@ def compare_gradients_to_float64(
     errors against a float64 CPU reference of `run(model, images)` in dtype on
     device, and of PyTorch's layer-by-layer reference in the same dtype and
     device, as the mean over COTANGENTS fresh random cotangents of the tokens
-    of each one's largest absolute error."""
+    of each one's largest absolute error.
+
+    For uint8 images PyTorch's error is the larger of its reference's and of
+    the same reference on the images normalized exactly and rounded once:
+    both are PyTorch's own rounding of the same inputs, and they differ by a
+    unit in the last place, which flips ReLU's mask on stage outputs that
+    cancel to near zero. One flipped mask moves a stage's parameter gradients
+    more than all other rounding (measured on the CPU: the relu-nchw-out
+    case's stage-2 gradients in float16 are 24-64x apart between the two,
+    and 0.6-1.6x apart for GELU and SiLU), so either one alone is a lottery
+    rather than a measure of PyTorch's error."""
     model64 = float64_model(model)
     model_dtype = copy.deepcopy(model).to(device, dtype)
     images64 = images.cpu() if images.dtype == torch.uint8 else images.cpu().to(torch.float64)
@@ -240,7 +257,11 @@ def compare_gradients_to_float64(
         return m.forward_layers(x, "reference")
 
     expected = _gradients(model64, images64, cotangents, reference)
-    torch_grads = _gradients(model_dtype, images_dtype, cotangents, reference)
+    torch_grads = [_gradients(model_dtype, images_dtype, cotangents, reference)]
+    if images.dtype == torch.uint8:
+        torch_grads.append(
+            _gradients(model_dtype, exactly_normalized(model64, images64, dtype, device), cotangents, reference)
+        )
     grads = _gradients(model_dtype, images_dtype, cotangents, run)
 
     def mean_error(got: list[dict], name: str) -> float:
@@ -251,7 +272,7 @@ def compare_gradients_to_float64(
         scale = sum(e[name].abs().max().item() for e in expected) / COTANGENTS
         reports[name] = ErrorReport(
             error=mean_error(grads, name),
-            torch_error=mean_error(torch_grads, name),
+            torch_error=max(mean_error(each, name) for each in torch_grads),
             floor=ROUNDING_FLOOR[dtype] * scale,
             factor=2.0 if name == "images" else PARAMETER_GRADIENT_FACTOR,
         )

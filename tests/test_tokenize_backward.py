@@ -64,7 +64,7 @@ def test_gradients_within_twice_pytorch_error(case, dtype, device, native_ops, r
 @pytest.mark.parametrize("name", ["relu-nchw-out", "small"])
 def test_the_gradient_rule_takes_exact_normalization_as_pytorchs_own(name, dtype):
     """PyTorch's reference on the images normalized exactly and rounded once
-    (as the fused CUDA kernels normalize) passes the rule: with ReLU, its
+    (nearly as the fused CUDA kernels normalize) passes the rule: with ReLU, its
     stage-2 gradients in float16 are 24-64x those of the reference's own
     normalization, a unit in the last place flipping near-zero masks."""
     case = case_named(name)

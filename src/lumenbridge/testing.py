@@ -221,9 +221,11 @@ def _gradients(model: VisualTokenizer, images: torch.Tensor, cotangents: list[to
 
 
 def exactly_normalized(model64: VisualTokenizer, images: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """uint8 images normalized in float64 and rounded once to dtype, as the
-    fused CUDA kernels normalize them (PyTorch's reference rounds after the
-    subtraction and again after the division, in dtype)."""
+    """uint8 images normalized in float64 and rounded once to dtype: the
+    closest a PyTorch program in dtype comes to the fused CUDA kernels, which
+    normalize in float and keep the result in float for the first
+    depthwise convolution (PyTorch's reference rounds after the subtraction
+    and again after the division, in dtype)."""
     return ((images.double() - model64.pixel_mean) / model64.pixel_std).to(device, dtype)
 
 

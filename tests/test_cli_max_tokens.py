@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, cli
 from lumenbridge.images import DEFAULT_MAX_PIXELS, WHITE
-from lumenbridge.packed_files import load_image_in_budget, tokenize_files_packed
+from lumenbridge.packed_files import concatenate_releasing, load_image_in_budget, tokenize_files_packed
+from lumenbridge.packing import fit_token_budget
 
 SMALL = "lumenbridge-small"
 FAST = ["--preset", SMALL, "--workers", "0", "--device", "cpu"]
@@ -110,3 +111,46 @@ def test_tokenize_files_packed_stores_the_requested_dtype(photos):
     assert result.tokens.dtype == torch.bfloat16
     assert result.paths == photos[:2] and result.failures == []
     assert int(result.cu_seqlens[-1]) == len(result.tokens) <= 24
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2.5, None])
+def test_tokenize_files_packed_refuses_a_bad_budget_before_reading_any_image(photos, max_tokens):
+    model = VisualTokenizer(TokenizerConfig.preset(SMALL), seed=0).eval()
+    with pytest.raises(ValueError, match="max_tokens"):
+        tokenize_files_packed(model, photos[:2], max_tokens=max_tokens, progress=False)
+
+
+def save_jpeg(path, size, orientation=1):
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels.numpy()).save(path, quality=90, exif=exif)
+    return str(path)
+
+
+def test_the_budget_decodes_a_large_jpeg_reduced_and_counts_its_pixels_there(tmp_path):
+    """As the crop path does: a 2400 x 1600 photo for 64 tokens decodes at a
+    quarter of its size, so a pixel limit between the two admits it."""
+    photo = save_jpeg(tmp_path / "photo.jpg", (2400, 1600))
+    pixels = load_image_in_budget(photo, 16, 64, max_pixels=1_500_000)
+    assert pixels.shape == (3, *fit_token_budget(1600, 2400, 16, max_tokens=64)) == (3, 96, 144)
+    assert (
+        cli.main(
+            ["tokenize", photo, "--out", str(tmp_path / "p.safetensors"), "--max-tokens", "64"]
+            + ["--max-pixels", "1500000", *FAST]
+        )
+        == 0
+    )
+
+
+def test_the_budget_follows_the_exif_orientation(tmp_path):
+    photo = save_jpeg(tmp_path / "turned.jpg", (2400, 1600), orientation=6)  # stored landscape, shown portrait
+    assert load_image_in_budget(photo, 16, 64).shape == (3, 144, 96)
+
+
+def test_the_packed_tokens_are_concatenated_releasing_each_batch():
+    pieces = [torch.randn(n, 4) for n in (3, 1, 5)]
+    expected = torch.cat(pieces)
+    held = list(pieces)
+    assert torch.equal(concatenate_releasing(held), expected)
+    assert held == []  # each batch let go once copied

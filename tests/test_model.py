@@ -46,6 +46,12 @@ def test_output_formats_and_sizes(fmt, size, expected):
     assert model.feature_size(*size) == (size[0] // 16, size[1] // 16)
 
 
+@pytest.mark.parametrize("size", [(224.0, 320), (224, True)])
+def test_feature_size_refuses_sides_that_are_not_integers(size):
+    with pytest.raises(TypeError, match="image sides must be integers"):
+        make("NLC").feature_size(*size)
+
+
 def test_output_formats_hold_the_same_values():
     x = torch.randn(2, 3, 32, 48)
     with torch.no_grad():

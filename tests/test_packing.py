@@ -171,6 +171,21 @@ def test_images_on_another_device_than_the_model_are_rejected():
         make().forward_packed([torch.empty(3, 32, 32, device="meta")])
 
 
+@pytest.mark.parametrize("train, track", [(True, True), (False, False)])
+def test_forward_packed_refuses_batchnorm_on_batch_statistics(train, track):
+    model = make()
+    model.stages[1].norm = torch.nn.BatchNorm2d(16, track_running_stats=track)
+    model.train(train)
+    images = [torch.rand(3, *size) for size in SIZES]
+    with pytest.raises(ValueError, match=r"stages.1.norm normalizes with batch statistics.*model.eval\(\)"):
+        model.forward_packed(images)
+    model.stages[1].norm = torch.nn.BatchNorm2d(16)
+    model.eval()  # running statistics: each image its own
+    with torch.no_grad():
+        packed = model.forward_packed(images)
+        torch.testing.assert_close(packed.tokens[: packed.cu_seqlens[1]], own_tokens(model, images[0]))
+
+
 @pytest.mark.parametrize("height", [1, 7, 16, 90, 333, 1000, 4000])
 @pytest.mark.parametrize("width", [1, 16, 50, 480, 640, 2500, 100000])
 @pytest.mark.parametrize("max_tokens", [1, 64, 256, 1024])
@@ -193,20 +208,38 @@ def test_fit_token_budget_grows_small_images_to_min_tokens():
     assert (height // 16) * (width // 16) >= 64
     assert (height, width) == (112, 160)
     height, width = fit_token_budget(20, 30, 16, min_tokens=64, max_tokens=64)
-    assert (height // 16) * (width // 16) <= 64
+    assert (height, width) == (128, 128)  # 8 x 8, the only grid of 64 tokens near 2:3 in range
+    assert fit_token_budget(20, 30, 16, min_tokens=60, max_tokens=64) == (96, 160)  # 6 x 10, nearer 2:3 than 7 x 9
+
+
+@pytest.mark.parametrize("height", [1, 20, 333, 1000])
+@pytest.mark.parametrize("width", [1, 30, 600, 100000])
+@pytest.mark.parametrize("budget", [(1, 1), (60, 64), (64, 64), (250, 256), (7, 7)])
+def test_fit_token_budget_reaches_min_tokens_whatever_the_rounding(height, width, budget):
+    low, high = budget
+    new_height, new_width = fit_token_budget(height, width, 16, min_tokens=low, max_tokens=high)
+    assert low <= (new_height // 16) * (new_width // 16) <= high
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be at least 1"),
-        ({"min_tokens": -1}, "min_tokens must be at least 1"),
+        ({"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be a positive integer, got -1"),
+        ({"max_tokens": 24.5}, "max_tokens must be a positive integer, got 24.5"),
+        ({"max_tokens": True}, "max_tokens must be a positive integer, got True"),
         ({"min_tokens": 10, "max_tokens": 5}, r"min_tokens \(10\) is larger than max_tokens \(5\)"),
     ],
 )
 def test_fit_token_budget_rejects_bad_budgets(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fit_token_budget(100, 100, 16, **kwargs)
+
+
+@pytest.mark.parametrize("size", [(100.7, 100), (100, 0), (True, 100)])
+def test_fit_token_budget_rejects_sizes_that_are_not_positive_integers(size):
+    with pytest.raises(ValueError, match="image size must be positive integers"):
+        fit_token_budget(*size, 16, max_tokens=64)
 
 
 @pytest.mark.parametrize("stride", [0, -16, 2.5, 16.0, True])

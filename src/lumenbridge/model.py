@@ -164,6 +164,8 @@ class VisualTokenizer(nn.Module):
     def feature_size(self, height: int, width: int) -> tuple[int, int]:
         """The token grid (rows, columns) for an input of height x width."""
         for extent in (height, width):
+            if isinstance(extent, bool) or not isinstance(extent, (int, torch.SymInt)):
+                raise TypeError(f"image sides must be integers, got {height!r} x {width!r}")
             self._check_extent(extent)
         cfg = self.config
         return tuple(grid_extent(extent, cfg.kernel_size, cfg.strides) for extent in self.padded_size(height, width))
@@ -292,7 +294,9 @@ class VisualTokenizer(nn.Module):
         """Tokenize images of different sizes ([C, H, W] each) into one packed
         sequence: a packing.PackedTokens with the tokens [sum of N_i, D],
         cu_seqlens, grid_hw and 2-D positions. Each image's tokens equal its
-        own forward; images of equal size run as one batch."""
+        own forward; images of equal size run as one batch. BatchNorm stages
+        must use running statistics (eval mode), or the images would share
+        theirs."""
         from .packing import pack  # here, so that packing's whole footprint in this file is this method
 
         return pack(self, images)

@@ -21,21 +21,34 @@ from .images import (
     WHITE,
     FileDataset,
     LoadedImage,
-    decode_image,
+    decode_opened,
+    exif_orientation,
     image_loader,
+    open_image,
     read_batches,
     to_tensor,
 )
 from .model import VisualTokenizer
-from .packing import cumulative_lengths, fit_token_budget
+from .packing import check_token_budget, cumulative_lengths, fit_token_budget
+
+# EXIF orientations that swap the stored width and height.
+TRANSPOSING = (5, 6, 7, 8)
 
 
 def load_image_in_budget(
     path: str, stride: int, max_tokens: int, max_pixels: int = DEFAULT_MAX_PIXELS, background=WHITE
 ) -> torch.Tensor:
-    """Decodes a file into uint8 [3, H, W], resized (aspect ratio kept) to at most max_tokens tokens."""
-    image = decode_image(path, max_pixels=max_pixels, background=background)
-    height, width = fit_token_budget(image.height, image.width, stride, max_tokens=max_tokens)
+    """Decodes a file into uint8 [3, H, W], resized (aspect ratio kept) to at most max_tokens tokens.
+
+    The size comes from the file's header, so a JPEG decodes at a reduced
+    size that still covers it (as load_image does for the crop), and
+    max_pixels applies to that reduced size."""
+    with open_image(path) as opened:
+        width, height = opened.size
+        if exif_orientation(opened) in TRANSPOSING:
+            width, height = height, width
+        height, width = fit_token_budget(height, width, stride, max_tokens=max_tokens)
+        image = decode_opened(opened, max(height, width), max_pixels=max_pixels, background=background)
     return to_tensor(image.resize((width, height), Image.Resampling.BICUBIC))
 
 
@@ -94,6 +107,9 @@ def tokenize_files_packed(
 
     on_failure(path, reason) is called as each unreadable image is found.
     """
+    if max_tokens is None:
+        raise ValueError("max_tokens is required: the largest number of tokens an image may give")
+    check_token_budget(None, max_tokens)  # before any image, not once per image as a read error
     paths = list(paths)
     device = next(model.parameters()).device
     loader = image_loader(
@@ -119,4 +135,19 @@ def tokenize_files_packed(
         return PackedFilesResult(None, None, None, kept, failures, seconds)
     grid_hw = torch.cat(grids)
     cu_seqlens = cumulative_lengths((grid_hw[:, 0] * grid_hw[:, 1]).tolist())
-    return PackedFilesResult(torch.cat(pieces), cu_seqlens, grid_hw, kept, failures, seconds)
+    return PackedFilesResult(concatenate_releasing(pieces), cu_seqlens, grid_hw, kept, failures, seconds)
+
+
+def concatenate_releasing(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(pieces) that empties the list as it goes, so memory peaks at
+    the result plus one piece rather than twice the result (the result's
+    pages are touched only as each piece is copied in)."""
+    out = torch.empty((sum(piece.shape[0] for piece in pieces), *pieces[0].shape[1:]), dtype=pieces[0].dtype)
+    row = 0
+    pieces.reverse()
+    while pieces:
+        piece = pieces.pop()
+        out[row : row + piece.shape[0]].copy_(piece)
+        row += piece.shape[0]
+        del piece
+    return out

@@ -48,6 +48,20 @@ class PackedTokens:
         return list(self.tokens.split(sizes))
 
 
+def _check_per_image_statistics(model: VisualTokenizer) -> None:
+    """Each image's tokens must be its own forward's: BatchNorm layers that
+    normalize with the batch's statistics (training mode, or no running
+    statistics) would mix the images of a size group."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        ):
+            raise ValueError(
+                f"forward_packed: {name} normalizes with batch statistics, which would mix the images' tokens; "
+                "call model.eval() first (and keep track_running_stats=True)"
+            )
+
+
 def _check_images(model: VisualTokenizer, images: Sequence[torch.Tensor]) -> None:
     if not isinstance(images, (list, tuple)):
         raise TypeError(f"forward_packed takes a list of [C, H, W] images, got {type(images).__name__}")
@@ -94,6 +108,7 @@ def cumulative_lengths(lengths: Sequence[int], device: torch.device | str = "cpu
 
 def pack(model: VisualTokenizer, images: Sequence[torch.Tensor]) -> PackedTokens:
     """Tokenize images of different sizes into one packed sequence (see VisualTokenizer.forward_packed)."""
+    _check_per_image_statistics(model)
     _check_images(model, images)
     groups: dict[tuple[int, int], list[int]] = {}
     for index, image in enumerate(images):
@@ -112,6 +127,15 @@ def pack(model: VisualTokenizer, images: Sequence[torch.Tensor]) -> PackedTokens
     return PackedTokens(torch.cat(pieces), cu_seqlens, grid_hw, _positions(grid_hw, cu_seqlens, total), max(lengths))
 
 
+def check_token_budget(min_tokens: int | None, max_tokens: int | None) -> None:
+    """Raise ValueError unless each given bound is a positive integer and min <= max."""
+    for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        if value is not None and (not is_int(value) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
+
+
 def fit_token_budget(
     height: int, width: int, stride: int, *, min_tokens: int | None = None, max_tokens: int | None = None
 ) -> tuple[int, int]:
@@ -120,19 +144,16 @@ def fit_token_budget(
 
     Like Qwen2-VL's min_pixels / max_pixels, counted in tokens: each side is
     rounded to a whole number of tokens, then both are scaled down (or up) by
-    one factor when the count falls outside the budget. The result never
-    exceeds max_tokens; it reaches min_tokens except where max_tokens leaves
-    no room for the rounding.
+    one factor when the count falls outside the budget. Where rounding after
+    that scaling leaves the count outside the budget (a narrow one, such as
+    min_tokens = max_tokens), the grid within it closest to the image's
+    aspect ratio is taken. The result is always within the budget.
     """
-    if height < 1 or width < 1:
-        raise ValueError(f"image size must be positive, got {height} x {width}")
+    if not (is_int(height) and is_int(width)) or height < 1 or width < 1:
+        raise ValueError(f"image size must be positive integers, got {height!r} x {width!r}")
     if not is_int(stride) or stride < 1:
         raise ValueError(f"stride must be a positive integer (the model's total_stride), got {stride!r}")
-    for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
-        raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
+    check_token_budget(min_tokens, max_tokens)
     rows, columns = max(1, round(height / stride)), max(1, round(width / stride))
     if min_tokens is not None and rows * columns < min_tokens:
         scale = math.sqrt(min_tokens * stride * stride / (height * width))
@@ -146,7 +167,25 @@ def fit_token_budget(
                 rows = max_tokens // columns
             else:
                 columns = max_tokens // rows
+    if min_tokens is not None and rows * columns < min_tokens:
+        rows, columns = _closest_grid_in_budget(height / width, min_tokens, max_tokens)
     return rows * stride, columns * stride
+
+
+def _closest_grid_in_budget(aspect: float, min_tokens: int, max_tokens: int) -> tuple[int, int]:
+    """The (rows, columns) with min_tokens <= rows * columns <= max_tokens whose
+    rows / columns is closest to aspect (height / width) in ratio."""
+    best, best_distance = (1, min_tokens), math.inf
+    for rows in range(1, max_tokens + 1):
+        low, high = -(-min_tokens // rows), max_tokens // rows
+        if low > high:
+            continue
+        ideal = min(max(round(rows / aspect), low), high)
+        for columns in {low, ideal, high}:
+            distance = abs(math.log(rows / columns / aspect))
+            if distance < best_distance:
+                best, best_distance = (rows, columns), distance
+    return best
 
 
 def resize_to_token_budget(

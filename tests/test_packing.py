@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import device_params
 
 from lumenbridge import TokenizerConfig, VisualTokenizer
 from lumenbridge.packing import cumulative_lengths, fit_token_budget, resize_to_token_budget
@@ -268,3 +269,15 @@ def test_resize_to_token_budget_takes_half_types(dtype):
     assert resized.dtype == dtype and resized.shape == (3, 96, 64)
     expected = resize_to_token_budget(image.to(dtype).float(), 16, max_tokens=24)
     torch.testing.assert_close(resized, expected.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_resize_to_token_budget_takes_uint8_on_every_device(device):
+    """Rounded from the float32 resize, which every device has (CUDA has no
+    antialiased uint8 kernel)."""
+    image = torch.randint(0, 256, (3, 300, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    resized = resize_to_token_budget(image.to(device), 16, max_tokens=24)
+    assert resized.dtype == torch.uint8 and resized.shape == (3, 96, 64) and resized.device.type == device
+    expected = resize_to_token_budget(image.float(), 16, max_tokens=24).round().clamp(0, 255).to(torch.uint8)
+    difference = (resized.cpu().int() - expected.int()).abs().max().item()
+    assert difference <= (0 if device == "cpu" else 1)  # another device's float32 rounding may move a half

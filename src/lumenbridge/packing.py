@@ -198,8 +198,9 @@ def resize_to_token_budget(
     size = fit_token_budget(*image.shape[1:], stride, min_tokens=min_tokens, max_tokens=max_tokens)
     if size == tuple(image.shape[1:]):
         return image
-    # Half types in float32: PyTorch's CPU antialiasing has no kernel for them.
-    source = image.float() if image.dtype in (torch.float16, torch.bfloat16) else image
-    return F.interpolate(source[None], size=size, mode="bicubic", antialias=True, align_corners=False)[0].to(
-        image.dtype
-    )
+    # In float32: antialiased bicubic has no half-type kernel on the CPU and
+    # no uint8 kernel off it.
+    resized = F.interpolate(image.float()[None], size=size, mode="bicubic", antialias=True, align_corners=False)[0]
+    if image.dtype == torch.uint8:
+        resized = resized.round_().clamp_(0, 255)
+    return resized.to(image.dtype)

@@ -39,6 +39,8 @@ def test_unknown_backend_is_an_error(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "fast")
     with pytest.raises(ValueError, match=f"unknown backend 'fast' \\(from {BACKEND_ENV}=fast\\)"):
         lumenbridge.select_backend("cpu")
+    with pytest.raises(ValueError, match="unknown backend 'Native'"):
+        VisualTokenizer(SMALL, backend="Native")  # when the model is built, not at its first forward
 
 
 def test_explicit_backend_that_cannot_run_is_an_error():
@@ -65,6 +67,19 @@ def test_report_lists_implementations_and_choices(native_ops):
     assert report.backward_paths["cpu"].startswith("native: lumenbridge::tokenize_backward")
     text = str(report)
     assert "reference" in text and "native" in text and "cpu NHWC" in text and "tokenizer backward" in text
+
+
+def test_the_report_without_building_says_the_extension_is_not_built(monkeypatch):
+    monkeypatch.setattr(dispatch.extension, "needs_compiling", lambda: True)
+    monkeypatch.setattr(dispatch, "select_backend", lambda *a, **k: pytest.fail("the selection would build"))
+    report = lumenbridge.backends(build_missing=False)
+    assert report.implementations["native"].startswith("not built yet")
+    assert "selection: shown once the native extension is built" in str(report)
+
+
+def test_a_built_extension_needs_no_compiling(native_ops):
+    assert not dispatch.extension.needs_compiling()
+    assert lumenbridge.backends(build_missing=False) == lumenbridge.backends()
 
 
 def test_state_dict_keys_do_not_depend_on_the_backend(native_ops):

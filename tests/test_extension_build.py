@@ -289,6 +289,46 @@ def test_a_finished_build_is_readable_by_every_user_the_umask_allows(tmp_path, c
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o755
 
 
+# A C++ compiler whose compiles (-c) fail while $LB_TEST_FAIL names a file
+# that exists; otherwise (and for --version, linking) it is plain c++.
+FAILING_COMPILER = """#!/bin/sh
+case " $* " in
+  *" -c "*) if [ -e "$LB_TEST_FAIL" ]; then echo "error: the test compiler refuses" >&2; exit 1; fi ;;
+esac
+exec c++ "$@"
+"""
+
+
+def test_a_failed_compile_is_recorded_and_not_repeated_until_a_retry(tmp_path, cache, monkeypatch):
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text(FAILING_COMPILER)
+    compiler.chmod(0o755)
+    failing = tmp_path / "fail"
+    failing.write_text("")
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("LB_TEST_FAIL", str(failing))
+    library = tiny_library(tiny_source(tmp_path / "src"))
+    with pytest.raises(extension.BuildError, match="the test compiler refuses"):
+        extension.compile_library(library)
+    failing.unlink()  # the compiler would work now, but the failure stands for processes that just load
+    with pytest.raises(extension.BuildError, match="an earlier build failed: .*`lumenbridge build` tries again"):
+        extension.compile_library(library)
+    assert not list(cache.glob(f"*{extension.STAGING_SUFFIX}*"))  # nothing was compiled
+    path, compiled = extension.compile_library(library, retry_failed=True)
+    assert compiled and path.exists()
+    assert not list(cache.glob(f"*{extension.FAILED_SUFFIX}"))  # the record goes with the success
+
+
+@pytest.mark.parametrize("script", ["#!/no/such/interpreter\n", ""], ids=["bad-interpreter", "not-a-program"])
+def test_a_compiler_that_does_not_run_counts_as_none(tmp_path, cache, monkeypatch, script):
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(script)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with pytest.raises(extension.BuildError, match=r"the C\+\+ compiler .*broken-c\+\+ does not run"):
+        extension.compile_library(tiny_library(tiny_source(tmp_path / "src")))
+
+
 # --- item 5: the C++ standard comes from torch ---------------------------------------------
 
 
@@ -346,8 +386,9 @@ def test_without_a_compiler_the_fallback_is_one_line_per_device(tmp_path):
 
 def test_a_killed_first_build_without_ninja_on_path_recovers_and_is_then_cached(tmp_path):
     """The new user's path: a first `lumenbridge build` killed a few seconds
-    in, with no ninja on PATH; then `lumenbridge info` builds and reports the
-    native backend, and a second `info` loads the build without compiling."""
+    in, with no ninja on PATH; `lumenbridge info` then says the extension is
+    not built (without compiling), a second `build` recovers, and `info`
+    loads that build without compiling and reports the native backend."""
     cache = tmp_path / "cache"
     # No GPU visible, so that on a CUDA machine too the build is the CPU one of
     # seconds, not the CUDA kernels' minutes.
@@ -359,13 +400,13 @@ def test_a_killed_first_build_without_ninja_on_path_recovers_and_is_then_cached(
     os.killpg(first.pid, signal.SIGHUP)  # what closing the terminal does; ninja stops its compilers
     first.communicate()
 
-    def info():
-        return subprocess.run([*command, "info"], env=env, capture_output=True, text=True, timeout=600, check=False)
+    def run(subcommand):
+        return subprocess.run([*command, subcommand], env=env, capture_output=True, text=True, timeout=600, check=False)
 
-    recovered, cached = info(), info()
-    for run in (recovered, cached):
-        assert run.returncode == 0, run.stderr
-        assert "native     available on cpu" in run.stdout
+    unbuilt, recovered, cached = run("info"), run("build"), run("info")
+    for each in (unbuilt, recovered, cached):
+        assert each.returncode == 0, each.stderr
+    assert "native     not built yet" in unbuilt.stdout and unbuilt.stderr == ""  # info never compiles
     assert "compiling the native extension" in recovered.stderr
     assert "discarding an unfinished earlier build" in recovered.stderr
-    assert cached.stderr == ""
+    assert "native     available on cpu" in cached.stdout and cached.stderr == ""

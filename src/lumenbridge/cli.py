@@ -771,7 +771,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'not built in'})")
     print(f"python {platform.python_version()} on {platform.platform()}")
     print("devices: " + ", ".join(visible_devices()))
-    print(lumenbridge.backends())
+    print(lumenbridge.backends(build_missing=False))  # a status report does not compile for minutes
     return EXIT_OK
 
 

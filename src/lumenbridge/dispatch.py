@@ -143,6 +143,12 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return None
 
 
+def check_backend_name(name: str, source: str = "") -> None:
+    """Raise ValueError unless `name` is a backend (`source`: where the name came from)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}{source}; choose from {sorted(BACKENDS)}")
+
+
 def resolve_backend_name(device_type: str, channels_last: bool = False, requested: str | None = None) -> str:
     """The name of the backend for `device_type`: the one decision, made in
     plain Python. torch.compile runs it once while tracing and keeps the
@@ -155,8 +161,7 @@ def resolve_backend_name(device_type: str, channels_last: bool = False, requeste
     if explicit is not None:
         # Name where the choice came from: an environment variable is not on the command line.
         source = "" if requested else f" (from {BACKEND_ENV}={explicit})"
-        if explicit not in BACKENDS:
-            raise ValueError(f"unknown backend {explicit!r}{source}; choose from {sorted(BACKENDS)}")
+        check_backend_name(explicit, source)
         reason = unavailable_reason(explicit, device_type)
         if reason is not None:
             raise RuntimeError(f"backend {explicit!r}{source} cannot run on {device_type}: {reason}")
@@ -196,6 +201,9 @@ class BackendReport:
     def __str__(self) -> str:
         lines = ["implementations:"]
         lines += [f"  {name:<10} {status}" for name, status in self.implementations.items()]
+        if not self.selection:
+            lines.append(f"selection: {NOT_BUILT_SELECTION}")
+            return "\n".join(lines)
         lines.append("selection (device and input layout -> backend):")
         lines += [f"  {device:<10} {name}" for device, name in self.selection.items()]
         if os.environ.get(BACKEND_ENV):
@@ -219,9 +227,17 @@ def visible_device_types() -> list[str]:
     return types
 
 
-def backends() -> BackendReport:
-    """Report the implementations on this machine and the per-device choice."""
+NOT_BUILT = "not built yet: it builds on first use (a few minutes, once), or now with `lumenbridge build`"
+NOT_BUILT_SELECTION = "shown once the native extension is built (`lumenbridge build`, then `lumenbridge info`)"
+
+
+def backends(build_missing: bool = True) -> BackendReport:
+    """Report the implementations on this machine and the per-device choice.
+    Without `build_missing`, an extension not yet built is reported as such
+    rather than compiled (which takes minutes), and the choice left out."""
     devices = visible_device_types()
+    if not build_missing and extension.needs_compiling():
+        return BackendReport({"reference": "available on " + ", ".join(devices), "native": NOT_BUILT}, {}, {}, {})
     implementations = {}
     for name in BACKENDS:
         runs_on = [d for d in devices if unavailable_reason(name, d) is None]

@@ -62,6 +62,8 @@ KERNEL_SIZES_DEFINE = f"-DLUMENBRIDGE_KERNEL_SIZE_MASK={sum(1 << k for k in KERN
 COMPLETE_MARKER = "complete.json"
 # A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
 STAGING_SUFFIX = ".building-"
+# Next to a build folder: the summary of a compile of it that failed.
+FAILED_SUFFIX = ".failed"
 
 
 class BuildError(RuntimeError):
@@ -140,12 +142,18 @@ def _cuda_archs() -> tuple[str, ...]:
 
 
 def _tool_identity(program: str) -> dict[str, str]:
-    """Where a compiler resolves to and what it says its version is; empty if it is missing."""
+    """Where a compiler resolves to and what it says its version is; empty if
+    it is missing, and with "error" if it does not run (a wrapper with a bad
+    interpreter line, a binary for another machine, one that hangs)."""
     path = shutil.which(program) if program else None
     if path is None:
         return {}
-    run = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
-    return {"path": os.path.realpath(path), "version": run.stdout.strip()}
+    identity = {"path": os.path.realpath(path)}
+    try:
+        run = subprocess.run([path, "--version"], capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        return {**identity, "error": f"{type(error).__name__}: {error}"}
+    return {**identity, "version": run.stdout.strip()}
 
 
 def _cxx_compiler() -> str:
@@ -271,13 +279,22 @@ def _discard_unfinished(folder: Path) -> bool:
     return bool(leftovers)
 
 
+def _missing_tool(toolchain: dict) -> str | None:
+    """Why the toolchain cannot build at all, found without compiling anything; None if it can try."""
+    cxx = toolchain["cxx"]
+    if not cxx:
+        return f"no C++ compiler found (looked for {_cxx_compiler()!r}; set CXX to choose one)"
+    if "error" in cxx:
+        return f"the C++ compiler {cxx['path']} does not run ({cxx['error']}; set CXX to choose another)"
+    with _ninja_on_path():
+        if shutil.which("ninja") is None:
+            return "ninja not found (pip install ninja)"
+    return None
+
+
 def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> None:
     """Compile and load library, staged in a folder of its own that becomes
     `folder`, marked complete, only once the build has succeeded."""
-    if not toolchain["cxx"]:
-        raise BuildError(f"no C++ compiler found (looked for {_cxx_compiler()!r}; set CXX to choose one)")
-    if shutil.which("ninja") is None:
-        raise BuildError("ninja not found (pip install ninja)")
     discarded = _discard_unfinished(folder)
     log.warning(
         "LumenBridge: compiling the native extension into %s%s",
@@ -311,13 +328,33 @@ def _compile(library: Library, folder: Path, toolchain: dict, verbose: bool) -> 
         raise BuildError(f"{type(error).__name__}: {error}") from error
 
 
-def compile_library(library: Library, verbose: bool = False, build_missing: bool = True) -> tuple[Path, bool] | None:
+def _build_folder(library: Library, toolchain: dict) -> Path:
+    return _build_root() / f"{library.name}_{_digest(library, toolchain)}"
+
+
+def _failure_record(folder: Path) -> Path:
+    """Where a failed compile of `folder` is recorded, so that later
+    processes fall back at once instead of compiling for minutes again."""
+    return folder.with_name(folder.name + FAILED_SUFFIX)
+
+
+def _earlier_failure(folder: Path) -> str | None:
+    try:
+        return _failure_record(folder).read_text(encoding="utf-8").strip() or "unknown error"
+    except OSError:  # none recorded
+        return None
+
+
+def compile_library(
+    library: Library, verbose: bool = False, build_missing: bool = True, retry_failed: bool = False
+) -> tuple[Path, bool] | None:
     """Load library from its cached build, compiling it first if there is
     none (or returning None, without `build_missing`); return the shared
     library's path and whether it was compiled now. Raises BuildError if it
-    cannot be built or loaded."""
+    cannot be built or loaded. A compile that failed before, with the same
+    sources and toolchain, is not tried again unless `retry_failed`."""
     toolchain = _toolchain(library)
-    folder = _build_root() / f"{library.name}_{_digest(library, toolchain)}"
+    folder = _build_folder(library, toolchain)
     path = folder / f"{library.name}.so"
 
     def complete() -> bool:
@@ -332,12 +369,14 @@ def compile_library(library: Library, verbose: bool = False, build_missing: bool
     if not complete() and not build_missing:
         return None
     if not complete():
+        missing = _missing_tool(toolchain)
+        if missing is not None:
+            raise BuildError(missing)
         try:
             with _exclusive(folder.with_name(folder.name + ".lock")):
                 # Another process may have finished it while this one waited.
                 if not complete():
-                    with _ninja_on_path():
-                        _compile(library, folder, toolchain, verbose)
+                    _compile_recording_failure(library, folder, toolchain, verbose, retry_failed)
                     return path, True
         except OSError as error:  # e.g. a read-only cache
             raise BuildError(f"cannot build in {folder.parent}: {error}") from error
@@ -349,6 +388,21 @@ def compile_library(library: Library, verbose: bool = False, build_missing: bool
             f"cannot load {path}: {error}{cause}; remove {folder} and run `lumenbridge build` to build it again"
         ) from error
     return path, False
+
+
+def _compile_recording_failure(library: Library, folder: Path, toolchain: dict, verbose: bool, retry: bool) -> None:
+    """_compile, unless an earlier one failed (and not `retry`); a failure is recorded for later processes."""
+    failed = _earlier_failure(folder)
+    if failed is not None and not retry:
+        raise BuildError(f"an earlier build failed: {failed}; `lumenbridge build` tries again")
+    try:
+        with _ninja_on_path():
+            _compile(library, folder, toolchain, verbose)
+    except BuildError as error:
+        with contextlib.suppress(OSError):
+            _failure_record(folder).write_text(error.summary + "\n", encoding="utf-8")
+        raise
+    _failure_record(folder).unlink(missing_ok=True)
 
 
 def _lumenbridge_library(with_cuda: bool) -> Library:
@@ -373,10 +427,12 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
     )
 
 
-def _build(verbose: bool, build_missing: bool = True) -> BuildReport | None:
+def _build(verbose: bool, build_missing: bool = True, retry_failed: bool = False) -> BuildReport | None:
     with_cuda = _cuda_toolkit_usable()
     started = time.perf_counter()
-    result = compile_library(_lumenbridge_library(with_cuda), verbose=verbose, build_missing=build_missing)
+    result = compile_library(
+        _lumenbridge_library(with_cuda), verbose=verbose, build_missing=build_missing, retry_failed=retry_failed
+    )
     if result is None:
         return None
     path, compiled = result
@@ -402,7 +458,7 @@ def build(verbose: bool = True) -> BuildReport:
     """Build (or load from the cache) the extension now; raise BuildError on failure."""
     global _state
     if not isinstance(_state, BuildReport):
-        _state = _build(verbose=verbose)
+        _state = _build(verbose=verbose, retry_failed=True)
     return _state
 
 
@@ -418,6 +474,16 @@ def load(build_missing: bool = True) -> bool:
         except BuildError as error:
             _state = error
     return isinstance(_state, BuildReport)
+
+
+def needs_compiling() -> bool:
+    """Whether loading the extension now would compile it (minutes): it is
+    not built, the tools to build it are there, and no build of it failed."""
+    if _state is not None or load(build_missing=False):
+        return False
+    library = _lumenbridge_library(_cuda_toolkit_usable())
+    toolchain = _toolchain(library)
+    return _missing_tool(toolchain) is None and _earlier_failure(_build_folder(library, toolchain)) is None
 
 
 def has_cuda_kernels() -> bool:

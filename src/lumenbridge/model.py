@@ -10,7 +10,7 @@ from torch import nn
 
 from . import checkpoint, ops
 from .config import TokenizerConfig
-from .dispatch import select_backend
+from .dispatch import check_backend_name, select_backend
 from .layout import is_channels_last, memory_format_of
 from .shapes import grid_extent
 
@@ -127,6 +127,8 @@ class VisualTokenizer(nn.Module):
                 "for a preset use TokenizerConfig.preset(name)"
             )
         self.config = config or TokenizerConfig()
+        if backend is not None:
+            check_backend_name(backend)  # now, not at the first forward
         self.backend = backend
         self.dynamic_pad = dynamic_pad
         self.check_finite = check_finite

@@ -346,13 +346,13 @@ def test_tokenize_files_reports_failures_and_row_sources(tmp_path, good_images):
 
 
 def test_info_prints_versions_and_the_backend_report(monkeypatch, capsys):
-    monkeypatch.setattr(lumenbridge, "backends", lambda: "BACKEND TABLE")
+    monkeypatch.setattr(lumenbridge, "backends", lambda build_missing=True: f"BACKEND TABLE, building: {build_missing}")
     assert cli.main(["info"]) == 0
     output = capsys.readouterr().out
     assert f"lumenbridge {lumenbridge.__version__}" in output
     assert f"torch {torch.__version__}" in output
     assert "devices: cpu" in output
-    assert "BACKEND TABLE" in output
+    assert "BACKEND TABLE, building: False" in output  # a status report never compiles
 
 
 def test_build_reports_success_and_failure(monkeypatch, capsys):

@@ -227,7 +227,7 @@ def visible_device_types() -> list[str]:
     return types
 
 
-NOT_BUILT = "not built yet: it builds on first use (a few minutes, once), or now with `lumenbridge build`"
+NOT_BUILT = "not built yet: it builds on first use (a minute or two, once), or now with `lumenbridge build`"
 NOT_BUILT_SELECTION = "shown once the native extension is built (`lumenbridge build`, then `lumenbridge info`)"
 
 

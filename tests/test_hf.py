@@ -112,6 +112,28 @@ def test_the_keywords_of_a_vision_tower():
     assert isinstance(plain, tuple) and torch.equal(plain[0], tokens)
 
 
+def test_the_config_decides_the_keywords_left_out():
+    """As transformers' own models: LLaVA-style models set them on the config."""
+    config = small_config()
+    config.output_hidden_states, config.return_dict = True, False
+    model = LumenBridgeVisionModel(config).eval()
+    with torch.no_grad():
+        tokens, hidden_states = model(torch.randn(1, 3, 32, 32))
+    assert len(hidden_states) == 1 and torch.equal(hidden_states[0], tokens)
+
+
+def test_a_size_off_the_stride_gets_advice_it_can_follow():
+    model = LumenBridgeVisionModel(small_config()).eval()
+    with pytest.raises(ValueError, match="not a multiple of the total stride 16; resize the image$"):
+        model(torch.randn(1, 3, 40, 32))
+
+
+def test_a_hugging_face_folder_given_to_visual_tokenizer_says_how_to_load_it(tmp_path):
+    LumenBridgeVisionModel(small_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds a Hugging Face LumenBridgeVisionModel: .*tokenizer.save_pretrained"):
+        VisualTokenizer.from_pretrained(tmp_path)
+
+
 def test_weights_a_checkpoint_lacks_get_pytorch_initialization(tmp_path):
     """transformers allocates a loaded model's modules uninitialized: a weight
     the checkpoint lacks must still be initialized, not left as garbage."""
@@ -230,3 +252,6 @@ def test_replace_patch_embedding_rejects_what_it_cannot_replace():
         replace_patch_embedding(tower("clip", 16), "lumenbridge-small")
     with pytest.raises(ValueError, match="image_size 56 is not a multiple of the tokenizer's total stride 16"):
         replace_patch_embedding(tower("clip", 14, image_size=56), SMALL)
+    replaced = replace_patch_embedding(tower("clip", 16), SMALL)
+    with pytest.raises(TypeError, match="patch embedding is a LumenBridge tokenizer already"):
+        replace_patch_embedding(replaced, SMALL)

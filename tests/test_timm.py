@@ -159,6 +159,17 @@ def test_a_size_that_needs_padding_names_timms_option():
         model(torch.randn(1, 3, 230, 224))
 
 
+def test_an_img_size_off_the_stride_is_refused_when_built_or_padded_up_with_dynamic_img_pad():
+    with pytest.raises(ValueError, match="image side 200 is not a multiple of .*build the model with dynamic_img_pad"):
+        tiny_vit(img_size=200)
+    model = tiny_vit(img_size=224)
+    with pytest.raises(ValueError, match="image side 250 is not a multiple"):
+        model.set_input_size(img_size=250)
+    padded = tiny_vit(img_size=200, dynamic_img_pad=True)  # 13 x 13 tokens, as the tokenizer pads
+    assert padded.patch_embed.grid_size == (13, 13) and padded.pos_embed.shape == (1, 13 * 13 + 1, 64)
+    assert padded(torch.randn(1, 3, 200, 200)).shape == (1, 10)
+
+
 def test_a_fixed_size_model_names_the_size_it_takes():
     model = tiny_vit(img_size=224)
     with pytest.raises(ValueError, match=r"input size \(320, 256\) does not match the model's img_size \(224, 224\)"):

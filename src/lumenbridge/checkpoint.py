@@ -13,6 +13,7 @@ Weights load in the floating-point dtype they were saved in."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -30,6 +31,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # The metadata key of the config that model.safetensors carries.
 CONFIG_METADATA = "lumenbridge_config"
+# The model_type of integrations.hf's LumenBridgeVisionModel folders, which hold
+# the same two files with Hugging Face's config and key names.
+HF_MODEL_TYPE = "lumenbridge"
 
 
 def save(model: VisualTokenizer, directory: str | Path) -> None:
@@ -105,7 +109,15 @@ def read_config(directory: str | Path) -> TokenizerConfig:
                 )
             return config
     path = _require(config_path)
-    return _config_from(path, _read_text(path))
+    text = _read_text(path)
+    with contextlib.suppress(json.JSONDecodeError, AttributeError):
+        if json.loads(text).get("model_type") == HF_MODEL_TYPE:
+            raise ValueError(
+                f"{directory} holds a Hugging Face LumenBridgeVisionModel: load it with "
+                "LumenBridgeVisionModel.from_pretrained (lumenbridge.integrations.hf), or save its tokenizer "
+                "for VisualTokenizer with hf_model.tokenizer.save_pretrained(folder)"
+            )
+    return _config_from(path, text)
 
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:

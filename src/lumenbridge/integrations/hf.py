@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.clip.modeling_clip import CLIPVisionEmbeddings, CLIPVisionModel
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings, SiglipVisionModel
 
+from ..checkpoint import HF_MODEL_TYPE
 from ..config import TokenizerConfig
 from ..model import VisualTokenizer, pixel_statistics
 from . import tokenizer_config
@@ -36,7 +37,7 @@ class LumenBridgeVisionConfig(PretrainedConfig):
     LumenBridgeVisionConfig.from_tokenizer_config(TokenizerConfig.preset("lumenbridge-small")).
     """
 
-    model_type = "lumenbridge"
+    model_type = HF_MODEL_TYPE
     attribute_map: ClassVar[dict[str, str]] = {"hidden_size": "embed_dim", "num_channels": "in_chans"}
 
     def __init__(self, **kwargs):
@@ -67,9 +68,12 @@ class LumenBridgeVisionConfig(PretrainedConfig):
 
 class LumenBridgeVisionModel(PreTrainedModel):
     """pixel_values [B, C, H, W] in, BaseModelOutput with last_hidden_state [B, N, D] out.
-    It takes a vision tower's usual keywords: with output_hidden_states, hidden_states
-    holds the tokens alone (the tokenizer has no transformer layers); return_dict=False
-    gives a tuple; others (output_attentions, say) are accepted and ignored."""
+    It takes a vision tower's usual keywords (None: the config's setting): with
+    output_hidden_states, hidden_states holds the tokens alone (the tokenizer has
+    no transformer layers, so a LLaVA-style model needs vision_feature_layer=-1,
+    and vision_feature_select_strategy="full" as there is no class token to drop);
+    return_dict=False gives a tuple; others (output_attentions, say) are accepted
+    and ignored."""
 
     config_class = LumenBridgeVisionConfig
     base_model_prefix = "tokenizer"  # the attribute that holds the VisualTokenizer
@@ -99,11 +103,24 @@ class LumenBridgeVisionModel(PreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> BaseModelOutput | tuple:
-        tokens = self.tokenizer(pixel_values)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        tokens = without_padding_advice(self.tokenizer, pixel_values)
         hidden_states = (tokens,) if output_hidden_states else None
         if return_dict is False:
             return (tokens,) if hidden_states is None else (tokens, hidden_states)
         return BaseModelOutput(last_hidden_state=tokens, hidden_states=hidden_states)
+
+
+def without_padding_advice(tokenizer: VisualTokenizer, pixel_values: torch.Tensor) -> torch.Tensor:
+    """tokenizer(pixel_values), whose advice on image sizes leaves out dynamic_pad,
+    an option of VisualTokenizer that the transformers models here do not take."""
+    try:
+        return tokenizer(pixel_values)
+    except ValueError as error:
+        raise ValueError(str(error).replace("resize the image or pass dynamic_pad=True", "resize the image")) from error
 
 
 AutoConfig.register(LumenBridgeVisionConfig.model_type, LumenBridgeVisionConfig, exist_ok=True)
@@ -123,7 +140,7 @@ class LumenBridgePatchEmbedding(nn.Module):
         return self.tokenizer.stages[0].dw.weight
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.tokenizer(pixel_values)
+        return without_padding_advice(self.tokenizer, pixel_values)
 
 
 def _vision_embeddings(vision_model: nn.Module) -> CLIPVisionEmbeddings | SiglipVisionEmbeddings:
@@ -165,6 +182,8 @@ def replace_patch_embedding(
     position embeddings and interpolate_pos_encoding stay consistent.
     """
     embeddings = _vision_embeddings(vision_model)
+    if isinstance(embeddings.patch_embedding, LumenBridgePatchEmbedding):
+        raise TypeError("this model's patch embedding is a LumenBridge tokenizer already")
     config = tokenizer_config(config, embeddings.embed_dim, embeddings.patch_embedding.in_channels)
     stride = config.total_stride
     if embeddings.image_size % stride:

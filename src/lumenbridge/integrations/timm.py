@@ -68,7 +68,6 @@ class PatchEmbed(nn.Module):
                 f"use a patch-{stride} model (such as vit_base_patch{stride}_224) {square}"
             )
         self.patch_size = (stride, stride)
-        self.img_size, self.grid_size, self.num_patches = self._grid(img_size)
         # timm's rule: an explicit output_fmt wins; otherwise flatten picks NLC over NCHW.
         self.flatten = flatten and output_fmt is None
         self.output_fmt = Format(output_fmt) if output_fmt is not None else Format.NLC if flatten else Format.NCHW
@@ -78,12 +77,16 @@ class PatchEmbed(nn.Module):
             dataclasses.replace(config, output_fmt="NHWC"), backend=backend, dynamic_pad=dynamic_img_pad
         ).to(device=device, dtype=dtype)
         self.norm = norm_layer(embed_dim, device=device, dtype=dtype) if norm_layer else nn.Identity()
+        self.img_size, self.grid_size, self.num_patches = self._grid(img_size)
 
     def _grid(self, img_size):
+        """img_size as a pair, the token grid the tokenizer gives it (padded up
+        with dynamic_img_pad), and its token count. An img_size the tokenizer
+        cannot take is refused here, not at every forward."""
         if img_size is None:
             return None, None, None
         img_size = to_2tuple(img_size)
-        grid_size = tuple(side // patch for side, patch in zip(img_size, self.patch_size))
+        grid_size = in_timm_words(self.tokenizer.feature_size, *img_size)
         return img_size, grid_size, grid_size[0] * grid_size[1]
 
     def set_input_size(self, img_size=None, patch_size=None) -> None:
@@ -108,10 +111,15 @@ class PatchEmbed(nn.Module):
                 f"input size {tuple(x.shape[-2:])} does not match the model's img_size {self.img_size}; "
                 "build the model with dynamic_img_size=True for other sizes"
             )
-        try:
-            tokens = self.tokenizer(x)
-        except ValueError as error:  # the tokenizer's advice, in timm's words
-            raise ValueError(
-                str(error).replace("pass dynamic_pad=True", "build the model with dynamic_img_pad=True")
-            ) from error
+        tokens = in_timm_words(self.tokenizer, x)
         return self.norm(nhwc_to(tokens, self.output_fmt))
+
+
+def in_timm_words(call, *args):
+    """call(*args), with the tokenizer's advice on image sizes in timm's words."""
+    try:
+        return call(*args)
+    except ValueError as error:
+        raise ValueError(
+            str(error).replace("pass dynamic_pad=True", "build the model with dynamic_img_pad=True")
+        ) from error

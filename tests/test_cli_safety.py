@@ -223,8 +223,20 @@ def test_images_over_max_pixels_are_skipped_and_named(tmp_path, capsys):
     large = save_image(tmp_path / "large.png", size=(100, 60))
     out = tmp_path / "tokens.safetensors"
     assert tokenize(small, large, "--out", out, "--max-pixels", "5000") == 1
-    assert f"skipped {large}: ImageTooLarge: 100 x 60" in capsys.readouterr().err
+    assert f"skipped {large}: ImageTooLarge: 100 x 60 = 6,000 pixels, over the limit of 5,000 pixels" in (
+        capsys.readouterr().err
+    )
     assert json.loads(read_tokens(out)[1]["paths"]) == [small]
+
+
+def test_a_skipped_name_is_shown_on_one_line_without_control_sequences(tmp_path, capsys):
+    good = save_image(tmp_path / "good.png", size=(40, 30))
+    hostile = tmp_path / "x\x1b]0;owned\x07\nfake.jpg"
+    hostile.write_bytes(b"not an image")
+    assert tokenize(good, hostile, "--out", tmp_path / "tokens.safetensors") == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if "fake.jpg" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"skipped {repr(str(hostile))[1:-1]}: ")
+    assert "\x1b" not in lines[0]
 
 
 def test_max_pixels_must_be_positive(tmp_path, two_pngs):

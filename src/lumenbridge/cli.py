@@ -376,7 +376,9 @@ def background_color(name: str, model: lumenbridge.VisualTokenizer) -> tuple[int
 
 
 def report_skipped(path: str, reason: str) -> None:
-    tqdm.write(f"skipped {path}: {reason}", file=sys.stderr)
+    # One line each, and no terminal control sequences from an untrusted file or member name.
+    shown = path if path.isprintable() else repr(path)[1:-1]
+    tqdm.write(f"skipped {shown}: {reason}", file=sys.stderr)
 
 
 def selected_backend(device: torch.device, requested: str | None) -> str:

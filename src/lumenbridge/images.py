@@ -145,9 +145,14 @@ def check_pixel_count(size: tuple[int, int], max_pixels: int) -> None:
     width, height = size
     if width * height > max_pixels:
         raise ImageTooLarge(
-            f"{width} x {height} = {width * height / 1e6:.1f} Mpx, over the limit of "
-            f"{max_pixels / 1e6:.1f} Mpx (--max-pixels)"
+            f"{width} x {height} = {pixel_count(width * height)}, over the limit of {pixel_count(max_pixels)} "
+            "(--max-pixels)"
         )
+
+
+def pixel_count(pixels: int) -> str:
+    """A pixel count for a message: in Mpx from a million up, else in pixels (a small limit is not 0.0 Mpx)."""
+    return f"{pixels / 1e6:.1f} Mpx" if pixels >= 1_000_000 else f"{pixels:,} pixels"
 
 
 def _wide_gray_to_8bit(image: Image.Image) -> Image.Image:

@@ -145,7 +145,9 @@ _IN_MEMORY = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 def describe(error: BaseException, sample: Sample) -> str:
     """The reason a sample was skipped, the same on every run (Pillow names an
     in-memory file by its address; the sample's key stands in for it)."""
-    return _IN_MEMORY.sub(repr(sample.key), f"{type(error).__name__}: {error}")
+    name = repr(sample.key)
+    # A function, not a template: re would read the backslashes of repr's escapes.
+    return _IN_MEMORY.sub(lambda _: name, f"{type(error).__name__}: {error}")
 
 
 def collate(items: Sequence[Item]) -> Batch:

@@ -87,6 +87,68 @@ def test_state_dict_keys_do_not_depend_on_the_backend(native_ops):
     assert keys[0] == keys[1]
 
 
+def bad_call(change: str):
+    """A functional op call with one argument broken, as `change` names it."""
+    x, dw, dwb = torch.randn(2, 4, 9, 7), torch.randn(4, 1, 3, 3), torch.randn(4)
+    pw, pwb = torch.randn(6, 4, 1, 1), torch.randn(6)
+    calls = {
+        "non-square kernel": lambda backend: ops.depthwise_conv2d(x, torch.randn(4, 1, 3, 5), dwb, backend=backend),
+        "even kernel": lambda backend: ops.depthwise_conv2d(x, torch.randn(4, 1, 4, 4), dwb, backend=backend),
+        "more weight channels": lambda backend: ops.depthwise_conv2d(x, torch.randn(8, 1, 3, 3), backend=backend),
+        "uint8 tensors": lambda backend: ops.depthwise_conv2d(
+            x.to(torch.uint8), dw.to(torch.uint8), dwb.to(torch.uint8), backend=backend
+        ),
+        "3-D input": lambda backend: ops.depthwise_conv2d(x[0], dw, dwb, backend=backend),
+        "3x3 pointwise": lambda backend: ops.pointwise_conv2d(x, torch.randn(6, 4, 3, 3), pwb, backend=backend),
+        "3x3 pw_weight": lambda backend: ops.separable_conv(
+            x, dw, dwb, torch.randn(6, 4, 3, 3), pwb, 2, backend=backend
+        ),
+        "meta pw_weight": lambda backend: ops.separable_conv(x, dw, dwb, pw.to("meta"), pwb, 2, backend=backend),
+        "meta weight": lambda backend: ops.depthwise_conv2d(x, dw.to("meta"), backend=backend),
+        "numpy input": lambda backend: ops.depthwise_conv2d(x.numpy(), dw, dwb, backend=backend),
+        "sparse weight": lambda backend: ops.pointwise_conv2d(x, pw.to_sparse(), pwb, backend=backend),
+    }
+    return calls[change]
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ("non-square kernel", (ValueError, RuntimeError), r"weight must have shape \[C, 1, K, K\].*got \[4, 1, 3, 5\]"),
+        ("even kernel", (ValueError, RuntimeError), r"(weight must have shape|kernel_size must be one of)"),
+        (
+            "more weight channels",
+            (ValueError, RuntimeError),
+            r"weight (must have shape \[C, 1, K, K\].*got \[8, 1, 3, 3\]|has 8 channels but the input has 4)",
+        ),
+        ("uint8 tensors", (TypeError, RuntimeError), "input has dtype"),
+        ("3-D input", (ValueError, RuntimeError), "input must be 4-D"),
+        (
+            "3x3 pointwise",
+            ValueError,
+            r"weight must have shape \[C_out, C_in, 1, 1\] with C_in = 4, got \[6, 4, 3, 3\]",
+        ),
+        ("3x3 pw_weight", ValueError, r"weight must have shape \[C_out, C_in, 1, 1\]"),
+        ("meta pw_weight", ValueError, "weight is on meta but input is on cpu"),
+        ("meta weight", (ValueError, RuntimeError), "weight is on meta but input is on cpu"),
+        ("numpy input", TypeError, "input must be a dense torch.Tensor, got ndarray"),
+        ("sparse weight", TypeError, "weight must be a dense torch.Tensor, got a torch.sparse_coo tensor"),
+    ],
+)
+def test_both_backends_refuse_what_the_ops_do_not_take(native_ops, backend, change, error, message):
+    """The reference keeps the native gateway's contract: F.conv2d alone would
+    run another convolution, wrap integers, or return uninitialized memory."""
+    with pytest.raises(error, match=message):
+        bad_call(change)(backend)
+
+
+def test_autocast_leaves_integer_input_alone(native_ops):
+    x = torch.randint(0, 255, (1, 4, 8, 8), dtype=torch.uint8)
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(RuntimeError, match="input has dtype"):
+        ops.depthwise_conv2d(x, torch.randn(4, 1, 3, 3), backend="native")
+
+
 def test_separable_conv_matches_two_plain_convolutions(native_ops):
     x = torch.randn(2, 8, 15, 12)
     dw, dwb = torch.randn(8, 1, 3, 3), torch.randn(8)

@@ -120,11 +120,15 @@ class NativeBackend(Backend):
     def depthwise_conv2d(self, input, weight, bias, stride):
         # Under autocast, PyTorch's own convolutions run in the autocast dtype
         # (float64 excepted); do the same so mixed stages agree on one dtype.
-        if torch.is_autocast_enabled(input.device.type) and input.dtype != torch.float64:
+        # As autocast itself: only floating-point tensors other than float64 are cast.
+        if torch.is_autocast_enabled(input.device.type) and _autocast_casts(input):
             dtype = torch.get_autocast_dtype(input.device.type)
-            input, weight = input.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+            input, weight, bias = (t.to(dtype) if _autocast_casts(t) else t for t in (input, weight, bias))
         return native.depthwise_conv2d(input, weight, bias, stride)
+
+
+def _autocast_casts(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.is_floating_point() and tensor.dtype != torch.float64
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), NativeBackend())}

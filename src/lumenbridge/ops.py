@@ -15,7 +15,15 @@ from .dispatch import Backend, select_backend
 from .layout import is_channels_last
 
 
-def _backend_for(input: torch.Tensor, backend: str | None) -> Backend:
+def _backend_for(input: torch.Tensor, backend: str | None, **tensors: torch.Tensor | None) -> Backend:
+    """The backend for input, once input and the other tensor arguments (named
+    as the caller names them; None allowed) are dense torch tensors."""
+    for name, tensor in {"input": input, **tensors}.items():
+        if tensor is None and name != "input":
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            kind = f"a {tensor.layout} tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"LumenBridge: {name} must be a dense torch.Tensor, got {kind}")
     return select_backend(input.device, backend, channels_last=is_channels_last(input))
 
 
@@ -28,14 +36,14 @@ def depthwise_conv2d(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Depthwise K x K conv with zero padding K // 2: input [N, C, H, W], weight [C, 1, K, K]."""
-    return _backend_for(input, backend).depthwise_conv2d(input, weight, bias, stride)
+    return _backend_for(input, backend, weight=weight, bias=bias).depthwise_conv2d(input, weight, bias, stride)
 
 
 def pointwise_conv2d(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
 ) -> torch.Tensor:
     """1 x 1 conv: input [N, C_in, H, W], weight [C_out, C_in, 1, 1]."""
-    return _backend_for(input, backend).pointwise_conv2d(input, weight, bias)
+    return _backend_for(input, backend, weight=weight, bias=bias).pointwise_conv2d(input, weight, bias)
 
 
 def separable_conv(
@@ -50,4 +58,5 @@ def separable_conv(
 ) -> torch.Tensor:
     """One tokenizer stage's convolutions: depthwise (stride) then pointwise.
     Backends may fuse the two; the result is the same either way."""
-    return _backend_for(input, backend).separable_conv(input, dw_weight, dw_bias, pw_weight, pw_bias, stride)
+    chosen = _backend_for(input, backend, dw_weight=dw_weight, dw_bias=dw_bias, pw_weight=pw_weight, pw_bias=pw_bias)
+    return chosen.separable_conv(input, dw_weight, dw_bias, pw_weight, pw_bias, stride)

@@ -148,6 +148,10 @@ def graphed(model: VisualTokenizer):
 GRAPHED = ("compile-ro", "lumenbridge-graph")
 
 
+# What providers() may return; --providers takes these names.
+PROVIDERS = ("lumenbridge", "eager", "compile-ma", "compile-ro", "lumenbridge-graph", "vit-patch")
+
+
 def providers(model: VisualTokenizer, batch: int):
     plain = PlainTokenizer(model)
     torch.compiler.reset()
@@ -382,7 +386,9 @@ def main() -> None:
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--quick", action="store_true", help="three cases: bf16 B=1 and B=256, fp32 B=256 (224²)")
     chosen.add_argument("--cases", nargs="+", type=parse_case, help="cases as DTYPE:BATCH:SIDE, e.g. bf16:64:448")
-    parser.add_argument("--providers", nargs="+", help="forward providers to keep (default: all)")
+    parser.add_argument(
+        "--providers", nargs="+", choices=PROVIDERS, metavar="NAME", help=f"forward providers to keep: {PROVIDERS}"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or not native.ready():
         raise SystemExit("needs a CUDA GPU and the built LumenBridge extension")

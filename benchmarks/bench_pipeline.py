@@ -22,6 +22,7 @@ after the extension build (about 70 s on a fresh machine, included in the run):
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import mmap
@@ -216,12 +217,12 @@ def end_to_end(images: Path, out: Path, decode: str, args, report: Path) -> dict
     }
 
 
-def disk_write_speed(folder: Path, megabytes: int, writers: int, direct: bool) -> float:
+def disk_write_speed(folder: Path, megabytes: int, writers: int, direct: bool) -> float | None:
     """Write with fsync, in bytes/s, `writers` files at once (threads; the writes
     release the GIL), in writes of a batch's tokens (64 MiB): the ceiling for
     writing shards there with that many writers. `direct` opens the files with
     O_DIRECT, so the writes go from the (page-aligned) buffer to the disk
-    without a copy into the page cache; 0.0 where the file system refuses it."""
+    without a copy into the page cache; None where the file system refuses it."""
     block = mmap.mmap(-1, 64 << 20)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(1 << 20) * 64)
     writes = max(1, megabytes // 64 // writers)
@@ -240,10 +241,10 @@ def disk_write_speed(folder: Path, megabytes: int, writers: int, direct: bool) -
     try:
         with ThreadPoolExecutor(writers) as pool:
             list(pool.map(write, range(writers)))
-    except OSError:
-        if not direct:
+    except OSError as error:
+        if not direct or error.errno != errno.EINVAL:
             raise
-        return 0.0
+        return None
     finally:
         for index in range(writers):
             (folder / f"write-test-{index}.bin").unlink(missing_ok=True)
@@ -301,11 +302,19 @@ def main() -> int:
         "quick": args.quick,
         "settings": {key: getattr(args, key) for key in ("workers", "batch_size", "shard_size", "preset")},
     }
+
+    def save() -> None:
+        """The record so far, after each stage: a run cut short keeps what it measured.
+        It names the run's folders by their role, not by where they were."""
+        text = json.dumps(results, indent=2).replace(str(scratch), "DATA").replace(str(tmpfs_out), "SHM")
+        (out / "bench_pipeline.json").write_text(text + "\n")
+
     try:
         results["extension_build_seconds"] = build_extension()
         print(f"extension ready ({results['extension_build_seconds']:.0f} s)", flush=True)
         folder = scratch / "images"
-        results["images"] = write_images(folder, count, args.workers)
+        # Every CPU generates the images, whatever --workers the runs use.
+        results["images"] = write_images(folder, count, os.cpu_count() or 1)
         print(f"images: {results['images']}", flush=True)
         paths = image_files(folder)[:count]
         # The same images for every row, though a reused --data folder may hold more.
@@ -313,6 +322,8 @@ def main() -> int:
         listed.write_text("".join(f"{path}\n" for path in paths))
         # Whether more than one writer, or writes that skip the page cache, could raise the ceiling.
         results["disk_write_bytes_per_second"] = disk_write_speeds(scratch, 1024 if args.quick else 4096)
+        print(disk_line(results["disk_write_bytes_per_second"]), flush=True)
+        save()
         image_size, resize = 224, 256
         results["decode_only"] = gpu_decode_only(paths, args.batch_size, image_size, resize)
         results["decode_only"]["cpu_workers_pillow"] = cpu_decode_only(
@@ -322,27 +333,38 @@ def main() -> int:
             paths, args.workers, args.batch_size, image_size, resize, gpu=True
         )
         print(json.dumps(results["decode_only"], indent=1), flush=True)
+        save()
         results["end_to_end"] = {
             "gpu": end_to_end(listed, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json")
         }
+        save()
         # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
         tokens_bytes = results["end_to_end"]["gpu"]["token_bytes_on_disk"]
-        if not args.no_tmpfs and TMPFS.is_dir() and shutil.disk_usage(TMPFS).free > 1.5 * tokens_bytes:
+        if args.no_tmpfs or not TMPFS.is_dir():
+            results["tmpfs_skipped"] = "--no-tmpfs" if args.no_tmpfs else f"no {TMPFS}"
+        elif shutil.disk_usage(TMPFS).free <= 1.5 * tokens_bytes:
+            results["tmpfs_skipped"] = f"{TMPFS} has {shutil.disk_usage(TMPFS).free} bytes free, under 1.5x the tokens"
+        else:
             results["end_to_end"]["gpu_to_tmpfs"] = end_to_end(
                 listed, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json"
             )
+        save()
         if not (args.quick or args.skip_cpu_e2e):
             results["end_to_end"]["cpu"] = end_to_end(
                 listed, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
             )
+            save()
     finally:
         if not args.data:
             shutil.rmtree(scratch, ignore_errors=True)
-    # The record names the run's folders by their role, not by where they were.
-    text = json.dumps(results, indent=2).replace(str(scratch), "DATA").replace(str(tmpfs_out), "SHM")
-    (out / "bench_pipeline.json").write_text(text + "\n")
+        shutil.rmtree(tmpfs_out, ignore_errors=True)
     print_table(results)
     return 0
+
+
+def disk_line(speeds: dict) -> str:
+    shown = ", ".join(f"{name} {'refused' if rate is None else f'{rate / 1e9:.2f}'}" for name, rate in speeds.items())
+    return f"disk, GB/s written with fsync (writers: files at once): {shown}"
 
 
 def print_table(results: dict) -> None:
@@ -369,8 +391,7 @@ def print_table(results: dict) -> None:
             (f"end to end: tokenize --decode {decode_mode} (files in, {where})", run["images_per_second"], note)
         )
     print(f"\n{results['images']['images']} JPEGs, {results['device']}, {results['cpus']} CPUs")
-    speeds = ", ".join(f"{name} {rate / 1e9:.2f}" for name, rate in results["disk_write_bytes_per_second"].items())
-    print(f"disk, GB/s written with fsync (writers: files at once): {speeds}")
+    print(disk_line(results["disk_write_bytes_per_second"]))
     for name, rate, note in rows:
         print(f"  {name:<64} {rate:>10,.0f} images/s  {note}")
     for mode, run in results["end_to_end"].items():

@@ -35,7 +35,12 @@ root=${ROOT:-$(mktemp -d)}
 names=()
 for tree in "$@"; do
   name=$(basename "$tree")
+  # Each tree's copy, build and rows go by this name: two trees under one would overwrite each other.
+  [[ " ${names[*]} " != *" $name "* ]] || { echo "two trees are named $name: give them distinct names" >&2; exit 2; }
   names+=("$name")
+done
+for tree in "$@"; do
+  name=$(basename "$tree")
   # A ROOT used before may hold this name's tree: start it afresh.
   rm -rf "${root:?}/$name/src"
   mkdir -p "$root/$name"

@@ -17,7 +17,10 @@
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
 #   per-kernel times of a forward and of a training step); FUSED_BENCH_ARGS
 #   goes to bench_fused.py (--quick, --cases).
-#   STEP_TIMEOUT caps each step in seconds (default: none). PACK=1 leaves
+#   PYTEST_ARGS is read with the shell's quoting, so a -k expression may hold
+#   spaces. STEP_TIMEOUT caps each step in seconds (default: 540, under the
+#   device's 10 minutes a call). Each step's line is added to $OUT/summary.txt
+#   as it ends, so a call cut short keeps what ran. PACK=1 leaves
 #   $OUT holding one archive, logs.tar.gz, of everything it wrote (for a
 #   machine that returns only a few files per call).
 # Exits 0 only if every step passed; otherwise 1, after running the rest.
@@ -26,14 +29,15 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-summary=()
+: >"$OUT/summary.txt"
 status=0
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail in summary.txt
   local name=$1; shift
   local started=$SECONDS
-  timeout "${STEP_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-540}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-22s %s (%ds)' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc")" $((SECONDS - started)))")
+  printf '%-22s %s (%ds)\n' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc")" $((SECONDS - started)) \
+    >>"$OUT/summary.txt"
   [ $rc -eq 0 ] || status=1
   tail -n 5 "$OUT/$name.log"
   return $rc
@@ -43,11 +47,11 @@ step gpu nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,no
 step torch python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda); assert torch.cuda.is_available(), "torch sees no CUDA GPU"'
 cat "$OUT/gpu.log" "$OUT/torch.log" >"$OUT/gpu.txt"
 parts=" ${*:-tests sanitize bench} "
-step build python3 -m lumenbridge build || { printf '%s\n' "${summary[@]}"; exit 1; }
+step build python3 -m lumenbridge build || { cat "$OUT/summary.txt"; exit 1; }
 if [[ $parts == *" tests "* ]]; then
-  # shellcheck disable=SC2086
+  eval "pytest_args=(${PYTEST_ARGS:-tests})"
   # With a GPU required, the CUDA tests fail rather than skip where torch sees none.
-  LUMENBRIDGE_REQUIRE_CUDA=1 step tests python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider -rs
+  LUMENBRIDGE_REQUIRE_CUDA=1 step tests python3 -m pytest "${pytest_args[@]}" -q -p no:cacheprovider -rs
 fi
 if [[ $parts == *" sanitize "* ]]; then
   # Only LumenBridge kernels are instrumented, which keeps the run short.
@@ -93,7 +97,7 @@ if [[ $parts == *" bench "* ]]; then
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"
-printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+cat "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
   archive=$(mktemp)
   tar -czf "$archive" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$archive" "$OUT/logs.tar.gz"

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh reports failure through its exit code, and what it
-and the quick start write stays out of git."""
+and the quick start write stays out of git; the other device scripts refuse
+arguments that would waste a call."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 # an environment variable (default 0), so a test picks which steps fail.
 STUB = """#!/bin/sh
 case "$*" in
-  *"-m pytest"*) exit "${{RC_TESTS:-0}}" ;;
+  *"-m pytest"*) [ -n "${{PYTEST_ARGV:-}}" ] && printf '%s\\n' "$@" >"$PYTEST_ARGV"; exit "${{RC_TESTS:-0}}" ;;
   *bench_*) exit "${{RC_BENCH:-0}}" ;;
 esac
 exit "${{RC_{name}:-0}}"
@@ -67,6 +68,21 @@ def test_any_failing_step_exits_non_zero_after_running_the_rest(tmp_path, failur
     assert "tokenizer-benchmark" in summary  # the last step still ran
 
 
+def test_a_failed_build_leaves_the_summary_of_what_ran(tmp_path):
+    run = run_script(tmp_path, RC_PYTHON3="1")
+    assert run.returncode == 1
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["gpu", "torch", "build"]
+    assert "FAILED rc=1" in summary[-1]
+
+
+def test_pytest_args_keep_the_shells_quoting(tmp_path):
+    argv = tmp_path / "argv"
+    run = run_script(tmp_path, "tests", PYTEST_ARGS="tests -k 'many_tiles and float16'", PYTEST_ARGV=str(argv))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert argv.read_text().splitlines()[:5] == ["-m", "pytest", "tests", "-k", "many_tiles and float16"]
+
+
 def test_the_racecheck_probe_runs_only_on_request_and_reports_each_variant(tmp_path):
     default = run_script(tmp_path / "default")
     assert "probe" not in (tmp_path / "default" / "out" / "summary.txt").read_text(), default.stdout
@@ -107,3 +123,29 @@ def test_a_required_gpu_that_torch_cannot_see_fails_the_tests(tmp_path):
         cwd=ROOT,
     )
     assert run.returncode != 0 and "sees no CUDA GPU" in run.stdout + run.stderr
+
+
+def test_compare_trees_refuses_two_trees_of_one_name_before_building(tmp_path):
+    for tree in ("one/main", "two/main"):
+        (tmp_path / tree / "src").mkdir(parents=True)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "compare_trees.sh"), str(tmp_path / "one/main"), str(tmp_path / "two/main")],
+        env={**os.environ, "OUT": str(tmp_path / "out"), "ROOT": str(tmp_path / "root")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2 and "two trees are named main" in run.stderr
+    assert not (tmp_path / "root").exists()  # nothing copied or built
+
+
+def test_bench_fused_refuses_a_provider_it_does_not_have():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_fused.py"), "--out", "x", "--providers", "lumenbrige"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 2 and "invalid choice: 'lumenbrige'" in run.stderr

@@ -211,7 +211,7 @@ class Stats:
     decode: float = 0.0  # CPU reading and decoding, summed over the workers
     gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop (the decoding thread's time)
     gpu_jpeg: float = 0.0  # of which in nvJPEG's batched decode call
-    gpu_resize: float = 0.0  # of which in the resize and crop
+    gpu_resize: float = 0.0  # of which in the resize and crop (issuing it, and waiting for it before the next batch)
     transfer: float = 0.0  # host-to-device images and device-to-host tokens
     tokenize: float = 0.0  # the model
     write: float = 0.0  # writing shards: rows, fsync, renames
@@ -596,6 +596,12 @@ class _Prepare:
         device = options.device
         spans = batch.spans
         data = {index: batch.encoded[start:end] for index, (start, end) in spans.items()}
+        if stream is not None:
+            # The previous batch's resize may still run on this stream; decode_jpegs waits for it first,
+            # so the wait is the resize's time, not nvJPEG's.
+            begun = time.perf_counter()
+            stream.synchronize()
+            self.stats.gpu_resize += time.perf_counter() - begun
         begun = time.perf_counter()
         decoded = dict(zip(data, decode_jpegs(list(data.values()), device), strict=True))
         self.stats.gpu_jpeg += time.perf_counter() - begun

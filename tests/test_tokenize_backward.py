@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lumenbridge import VisualTokenizer, native
+from lumenbridge import VisualTokenizer, dispatch, native
 from lumenbridge.testing import (
     NARROW,
     TokenizeCase,
@@ -503,6 +503,25 @@ def test_model_uses_the_op_for_training_except_batchnorm_statistics(native_ops, 
     assert len(calls) == 1
     batchnorm.eval()(images).sum().backward()
     assert len(calls) == 2
+
+
+def test_each_batchnorm_follows_its_own_mode(native_ops):
+    """model.eval() then a stage norm's train(), to adapt its statistics at
+    test time: that norm uses and updates batch statistics, as the reference
+    does; norms in eval mode in a training model keep their running ones."""
+    images = torch.randn(4, 3, 32, 32)
+    config = dataclasses.replace(NARROW, stage_norm="batchnorm")
+    models = {name: VisualTokenizer(config, seed=0, backend=name).eval() for name in ("native", "reference")}
+    for model in models.values():
+        model.stages[1].norm.train()
+    with torch.no_grad():
+        tokens = {name: model(images) for name, model in models.items()}
+    torch.testing.assert_close(tokens["native"], tokens["reference"])
+    assert [int(m.stages[1].norm.num_batches_tracked) for m in models.values()] == [1, 1]
+    frozen = VisualTokenizer(config, seed=0, backend="native").train()
+    for stage in frozen.stages:
+        stage.norm.eval()
+    assert dispatch.NativeBackend.layer_reason(images, frozen) is None  # running statistics: the one op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -107,7 +107,8 @@ class NativeBackend(Backend):
     @staticmethod
     def layer_reason(images, model) -> str | None:
         """Why this call cannot use the one op, or None when it can."""
-        if model.config.stage_norm == "batchnorm" and model.training:
+        # Each norm's own mode: model.eval() then norm.train() adapts the statistics at test time.
+        if model.config.stage_norm == "batchnorm" and any(stage.norm.training for stage in model.stages):
             return "BatchNorm in training mode needs batch statistics"
         return model.edited_module()
 

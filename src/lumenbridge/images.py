@@ -54,6 +54,20 @@ UPRIGHT = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
+# The transposes among those that exchange width and height.
+SIDE_SWAPPING = {
+    Image.Transpose.TRANSPOSE,
+    Image.Transpose.ROTATE_270,
+    Image.Transpose.TRANSVERSE,
+    Image.Transpose.ROTATE_90,
+}
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of the image once its EXIF orientation is applied."""
+    width, height = image.size
+    swaps_sides = UPRIGHT.get(exif_orientation(image)) in SIDE_SWAPPING
+    return (height, width) if swaps_sides else (width, height)
 
 
 def exif_orientation(image: Image.Image) -> int:

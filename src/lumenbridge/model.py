@@ -92,6 +92,10 @@ def pixel_statistics(cfg: TokenizerConfig, dtype: torch.dtype | None = None) -> 
     return tuple(torch.tensor(v, dtype=dtype).view(1, -1, 1, 1) for v in (cfg.pixel_mean, cfg.pixel_std))
 
 
+# What an image side off the total stride is told to do; integrations name their own option instead.
+PADDING_ADVICE = "resize the image or pass dynamic_pad=True"
+
+
 class VisualTokenizer(nn.Module):
     """Turns images into a token sequence for transformer attention.
 
@@ -187,10 +191,7 @@ class VisualTokenizer(nn.Module):
         if extent < step:
             raise ValueError(f"image side {extent} is smaller than the total stride {step}")
         if extent % step and not self.dynamic_pad:
-            raise ValueError(
-                f"image side {extent} is not a multiple of the total stride {step}; "
-                "resize the image or pass dynamic_pad=True"
-            )
+            raise ValueError(f"image side {extent} is not a multiple of the total stride {step}; {PADDING_ADVICE}")
 
     def _check_images(self, images: torch.Tensor) -> None:
         if not isinstance(images, torch.Tensor):

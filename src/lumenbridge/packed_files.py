@@ -22,17 +22,14 @@ from .images import (
     FileDataset,
     LoadedImage,
     decode_opened,
-    exif_orientation,
     image_loader,
     open_image,
     read_batches,
     to_tensor,
+    upright_size,
 )
 from .model import VisualTokenizer
 from .packing import check_token_budget, cumulative_lengths, fit_token_budget
-
-# EXIF orientations that swap the stored width and height.
-TRANSPOSING = (5, 6, 7, 8)
 
 
 def load_image_in_budget(
@@ -44,9 +41,7 @@ def load_image_in_budget(
     size that still covers it (as load_image does for the crop), and
     max_pixels applies to that reduced size."""
     with open_image(path) as opened:
-        width, height = opened.size
-        if exif_orientation(opened) in TRANSPOSING:
-            width, height = height, width
+        width, height = upright_size(opened)
         height, width = fit_token_budget(height, width, stride, max_tokens=max_tokens)
         image = decode_opened(opened, max(height, width), max_pixels=max_pixels, background=background)
     return to_tensor(image.resize((width, height), Image.Resampling.BICUBIC))

@@ -6,6 +6,7 @@ it is itself imported, so `import lumenbridge` needs none of them."""
 from __future__ import annotations
 
 from ..config import IMAGENET_MEAN, IMAGENET_STD, TokenizerConfig
+from ..model import PADDING_ADVICE
 
 
 def tokenizer_config(config: TokenizerConfig | str | None, embed_dim: int, in_chans: int) -> TokenizerConfig:
@@ -44,3 +45,13 @@ def tokenizer_config(config: TokenizerConfig | str | None, embed_dim: int, in_ch
     if config.in_chans != in_chans:
         raise ValueError(f"the LumenBridge config takes {config.in_chans} input channels but the model has {in_chans}")
     return config
+
+
+def with_size_advice(advice: str, call, *args):
+    """call(*args), where the tokenizer's advice for an image side off its
+    stride (VisualTokenizer's dynamic_pad) becomes `advice`, in the host
+    library's words."""
+    try:
+        return call(*args)
+    except ValueError as error:
+        raise ValueError(str(error).replace(PADDING_ADVICE, advice)) from error

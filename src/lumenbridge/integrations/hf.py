@@ -24,7 +24,7 @@ from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings, S
 from ..checkpoint import HF_MODEL_TYPE
 from ..config import TokenizerConfig
 from ..model import VisualTokenizer, pixel_statistics
-from . import tokenizer_config
+from . import tokenizer_config, with_size_advice
 
 # The architecture fields; the model always emits [B, N, D], so output_fmt is not one.
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(TokenizerConfig) if f.name != "output_fmt")
@@ -117,10 +117,7 @@ class LumenBridgeVisionModel(PreTrainedModel):
 def without_padding_advice(tokenizer: VisualTokenizer, pixel_values: torch.Tensor) -> torch.Tensor:
     """tokenizer(pixel_values), whose advice on image sizes leaves out dynamic_pad,
     an option of VisualTokenizer that the transformers models here do not take."""
-    try:
-        return tokenizer(pixel_values)
-    except ValueError as error:
-        raise ValueError(str(error).replace("resize the image or pass dynamic_pad=True", "resize the image")) from error
+    return with_size_advice("resize the image", tokenizer, pixel_values)
 
 
 AutoConfig.register(LumenBridgeVisionConfig.model_type, LumenBridgeVisionConfig, exist_ok=True)

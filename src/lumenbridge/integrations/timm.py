@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config import TokenizerConfig
 from ..model import VisualTokenizer
-from . import tokenizer_config
+from . import tokenizer_config, with_size_advice
 
 
 class PatchEmbed(nn.Module):
@@ -117,9 +117,4 @@ class PatchEmbed(nn.Module):
 
 def in_timm_words(call, *args):
     """call(*args), with the tokenizer's advice on image sizes in timm's words."""
-    try:
-        return call(*args)
-    except ValueError as error:
-        raise ValueError(
-            str(error).replace("pass dynamic_pad=True", "build the model with dynamic_img_pad=True")
-        ) from error
+    return with_size_advice("resize the image or build the model with dynamic_img_pad=True", call, *args)

@@ -35,19 +35,28 @@ struct QuadReach {
   static constexpr int kMin = extreme(false), kMax = extreme(true), kSpan = kMax - kMin;
 };
 
-// A thread's L gradients at one pixel times act'(pre) there, in float as
-// ATen's backward of the activation takes it, then rounded to T once. (A
-// slope evaluated in packed bf16 / fp16 steps was off by a few units of T's
-// last place in the same direction at many pixels, and the parameter
-// gradients, sums over every pixel, drifted to 3-5x PyTorch's error:
-// benchmarks/NOTES.md, thirtieth session.)
+// A thread's L gradients at one pixel times act'(pre) there, the slope in
+// float, then rounded to T once: for bf16 and fp16 GELU, the slope of the fit
+// their forward evaluates (gelu_fit_slope), for the rest ATen's. (A slope
+// evaluated in packed bf16 / fp16 steps was off by a few units of T's last
+// place in the same direction at many pixels, and the parameter gradients,
+// sums over every pixel, drifted to 3-5x PyTorch's error: benchmarks/NOTES.md,
+// thirtieth session.)
 template <typename T, int L>
 __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre, Activation slope) {
   Vec<T, L> result;
   dispatch_activation(slope, [&](auto a) {
+    constexpr Activation kKind = decltype(a)::value;
 #pragma unroll
     for (int e = 0; e < L; ++e) {
-      result.v[e] = static_cast<T>(value[e] * activation_slope<decltype(a)::value>(static_cast<float>(pre.v[e])));
+      const float x = static_cast<float>(pre.v[e]);
+      float s;
+      if constexpr (kKind == Activation::GELU && !std::is_same_v<T, float>) {
+        s = gelu_fit_slope(x);
+      } else {
+        s = activation_slope<kKind>(x);
+      }
+      result.v[e] = static_cast<T>(value[e] * s);
     }
   });
   return result;

@@ -7,7 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from lumenbridge import TokenizerConfig, VisualTokenizer
+from lumenbridge import TokenizerConfig, VisualTokenizer, checkpoint
 
 SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16, 16, 32), stage_norm="batchnorm")
 
@@ -55,23 +55,33 @@ def test_save_replaces_an_older_checkpoint(saved, tmp_path):
     assert not any(p.name.endswith(".tmp") for p in directory.iterdir())
 
 
-def test_a_save_killed_between_its_two_files_is_refused_and_nothing_is_lost(saved):
-    """Over a checkpoint of another architecture, a save that replaced
-    model.safetensors but died before config.json leaves files that disagree:
-    loading says so (transformers would build the other architecture from
-    config.json), and without config.json the weights load with their own
-    config."""
-    _, directory = saved
-    older_config = (directory / "config.json").read_text()
-    wider = VisualTokenizer(dataclasses.replace(SMALL, stage_widths=(16, 16, 24, 32)), seed=1)
-    wider.save_pretrained(directory)
-    (directory / "config.json").write_text(older_config)  # as if killed between the two renames
-    with pytest.raises(ValueError, match=r"config.json does not match the config saved with .*model.safetensors"):
-        VisualTokenizer.from_pretrained(directory)
-    (directory / "config.json").unlink()
-    loaded = VisualTokenizer.from_pretrained(directory)
-    assert loaded.config == wider.config
-    assert torch.equal(loaded.stages[0].pw.weight, wider.stages[0].pw.weight)
+@pytest.mark.parametrize("dying", ["config.json", "model.safetensors"])
+def test_a_save_interrupted_between_its_two_files_keeps_the_older_checkpoint(saved, monkeypatch, dying):
+    """Over a checkpoint of another architecture, a save that dies writing
+    either file leaves the older weights whole: the folder loads as the older
+    model, or is refused (its files disagree; transformers would build another
+    architecture from config.json) and loads as the older model once
+    config.json is deleted."""
+    model, directory = saved
+    real_write = checkpoint.write_atomically
+
+    def write(path, contents):
+        if path.name == dying:
+            raise KeyboardInterrupt
+        real_write(path, contents)
+
+    monkeypatch.setattr(checkpoint, "write_atomically", write)
+    with pytest.raises(KeyboardInterrupt):
+        VisualTokenizer(dataclasses.replace(SMALL, stage_widths=(16, 16, 24, 32)), seed=1).save_pretrained(directory)
+    monkeypatch.undo()
+    try:
+        loaded = VisualTokenizer.from_pretrained(directory)
+    except ValueError as error:
+        assert "config.json does not match the config saved with" in str(error)
+        (directory / "config.json").unlink()
+        loaded = VisualTokenizer.from_pretrained(directory)
+    assert loaded.config == model.config
+    assert torch.equal(loaded.stages[0].pw.weight, model.stages[0].pw.weight)
 
 
 @pytest.mark.parametrize(
@@ -146,6 +156,61 @@ def test_a_model_of_mixed_dtypes_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match="mix dtypes"):
         model.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _without_pw_bias(model):
+    model.stages[0].pw = torch.nn.Conv2d(8, 8, 1, bias=False)
+
+
+def _tie(model):
+    model.stages[3].pw.bias = model.token_norm.bias
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_without_pw_bias, "do not fit its config: missing tensor 'stages.0.pw.bias'"),
+        (
+            lambda m: torch.nn.utils.parametrizations.weight_norm(m.stages[1].pw),
+            r"missing tensor 'stages.1.pw.weight'.*remove_parametrizations",
+        ),
+        (lambda m: setattr(m, "head", torch.nn.Linear(2, 2)), "unexpected tensor 'head.weight'"),
+        (lambda m: m.to(torch.float8_e4m3fn), "tensors are torch.float8_e4m3fn, which the model cannot run in"),
+        (_tie, r"tensors 'stages.3.pw.bias', 'token_norm.bias' share memory"),
+    ],
+    ids=["no-bias", "parametrized", "extra-module", "float8", "tied"],
+)
+def test_a_model_that_would_not_load_is_not_saved(tmp_path, edit, message):
+    """save_pretrained refuses what from_pretrained would refuse (or load
+    untied), and writes nothing."""
+    model = VisualTokenizer(SMALL, seed=0)
+    edit(model)
+    with pytest.raises(ValueError, match=message):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_is_not_taken_for_a_checkpoint_folder(saved):
+    _, directory = saved
+    with pytest.raises(ValueError, match="model.safetensors is a file: pass the folder that holds"):
+        VisualTokenizer.from_pretrained(directory / "model.safetensors")
+
+
+def test_a_new_config_refills_the_pixel_statistics_and_keeps_the_architecture():
+    """The reference normalizes with the buffers, the native op with the
+    config's statistics: a new config must reach both."""
+    model = VisualTokenizer(SMALL, seed=0)
+    config = dataclasses.replace(SMALL, mean=(0.5, 0.25, 0.0), std=(0.5, 1.0, 2.0), output_fmt="NHWC")
+    model.config = config
+    fresh = VisualTokenizer(config)
+    assert torch.equal(model.pixel_mean, fresh.pixel_mean) and torch.equal(model.pixel_std, fresh.pixel_std)
+    with pytest.raises(
+        ValueError, match="cannot change embed_dim, stage_widths, stage_norm, which its parameters follow"
+    ):
+        model.config = TokenizerConfig()
+    with pytest.raises(TypeError, match="config must be a TokenizerConfig, got dict"):
+        model.config = {}
+    assert model.config == config
 
 
 def _rewrite(directory, edit):

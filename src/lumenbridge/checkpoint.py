@@ -6,7 +6,8 @@ the config in its metadata, and loading builds the model from that copy;
 config.json (read by tools such as transformers' AutoConfig) must agree with
 it, so a save killed between the two renames, or an edited config.json, is
 refused rather than loaded as a model that other tools would build
-differently. Keys of config.json that are not TokenizerConfig fields
+differently. config.json is written first: a save killed between the two
+leaves the previous weights whole, and deleting config.json loads them. Keys of config.json that are not TokenizerConfig fields
 (transformers' "model_type", say) are left to those tools.
 
 Weights load in the floating-point dtype they were saved in."""
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import safetensors.torch
+import torch
 
 from .atomic import write_atomically
 from .config import TokenizerConfig
@@ -37,28 +39,84 @@ HF_MODEL_TYPE = "lumenbridge"
 
 
 def save(model: VisualTokenizer, directory: str | Path) -> None:
+    from .model import VisualTokenizer  # model imports this module
+
     edit = model.edited_module()
     if edit is not None:
         raise ValueError(
             f"cannot save this model: {edit}. A checkpoint records the config, so it would reload as the "
             "config's architecture; build the model from a config that describes it instead"
         )
-    floating = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
-    if len(floating) > 1:  # load_weights would refuse the checkpoint
-        raise ValueError(
-            f"cannot save this model: its floating-point tensors mix dtypes {sorted(map(str, floating))}; "
-            "cast it to one first"
-        )
+    state = model.state_dict()
+    with torch.device("meta"):
+        expected = VisualTokenizer(model.config).state_dict()
+    problems = mismatches(expected, state)
+    if problems:  # from_pretrained would refuse what it wrote
+        hint = ""
+        if any(".parametrizations." in name for name in state):
+            hint = "; torch.nn.utils.parametrize.remove_parametrizations bakes a parametrized weight in"
+        raise ValueError(f"cannot save this model: its tensors do not fit its config: {'; '.join(problems)}{hint}")
+    tied = tied_tensors(state)
+    if tied:  # the checkpoint would load them untied
+        raise ValueError(f"cannot save this model: {'; '.join(tied)}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # safetensors stores dense tensors; channels-last parameters are made contiguous.
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().contiguous() for name, t in state.items()}
     metadata = {CONFIG_METADATA: model.config.to_json()}
-    write_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path, metadata))
     write_atomically(directory / CONFIG_NAME, lambda path: Path(path).write_text(model.config.to_json() + "\n"))
+    write_atomically(directory / WEIGHTS_NAME, lambda path: safetensors.torch.save_file(tensors, path, metadata))
+
+
+def tied_tensors(state: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors of a state dict that share memory: a checkpoint stores each
+    on its own, so the model would load untied."""
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer:  # 0: no memory (meta or empty tensors)
+            by_storage.setdefault(pointer, []).append(name)
+    return [
+        f"tensors {', '.join(map(repr, names))} share memory (tied); give each its own copy"
+        for names in by_storage.values()
+        if len(names) > 1
+    ]
+
+
+def mismatches(expected: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> list[str]:
+    """Why tensors `stored` cannot be the state of a model whose state dict is
+    `expected`: missing, unexpected or mis-shaped tensors, integers where the
+    model holds floats or the other way round, mixed or unsupported float dtypes."""
+    from .model import FLOAT_DTYPES  # model imports this module
+
+    problems = [f"missing tensor {name!r}" for name in expected if name not in stored]
+    problems += [f"unexpected tensor {name!r}" for name in stored if name not in expected]
+    problems += [
+        f"tensor {name!r} has shape {list(stored[name].shape)} but the model expects {list(t.shape)}"
+        for name, t in expected.items()
+        if name in stored and stored[name].shape != t.shape
+    ]
+    problems += [
+        f"tensor {name!r} is stored as {stored[name].dtype} but the model holds {t.dtype}"
+        for name, t in expected.items()
+        if name in stored and stored[name].is_floating_point() != t.is_floating_point()
+    ]
+    floating = {t.dtype for name, t in stored.items() if name in expected and t.is_floating_point()}
+    if len(floating) > 1:
+        problems.append(f"its floating-point tensors mix dtypes {sorted(map(str, floating))}")
+    problems += [
+        f"its tensors are {dtype}, which the model cannot run in (it runs in {', '.join(map(str, FLOAT_DTYPES))})"
+        for dtype in floating
+        if dtype not in FLOAT_DTYPES
+    ]
+    return problems
 
 
 def _require(path: Path) -> Path:
+    if path.parent.is_file():
+        raise ValueError(f"{path.parent} is a file: pass the folder that holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+    if path.is_dir():
+        raise ValueError(f"checkpoint file {path} is a folder")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     return path
@@ -122,38 +180,16 @@ def read_config(directory: str | Path) -> TokenizerConfig:
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:
     """Load model.safetensors into model, in the floating-point dtype it was
-    saved in, naming any missing, unexpected or mis-shaped tensor, and any
-    stored as an integer where the model holds floats or the other way round."""
-    from .model import FLOAT_DTYPES  # model imports this module
-
+    saved in (see mismatches for what it refuses)."""
     path = _require(Path(directory) / WEIGHTS_NAME)
     try:
         stored = safetensors.torch.load_file(path)
     except safetensors.SafetensorError as error:
         raise _unreadable(path, error) from error
-    expected = model.state_dict()
-    problems = [f"missing tensor {name!r}" for name in expected if name not in stored]
-    problems += [f"unexpected tensor {name!r}" for name in stored if name not in expected]
-    problems += [
-        f"tensor {name!r} has shape {list(stored[name].shape)} but the model expects {list(t.shape)}"
-        for name, t in expected.items()
-        if name in stored and stored[name].shape != t.shape
-    ]
-    problems += [
-        f"tensor {name!r} is stored as {stored[name].dtype} but the model holds {t.dtype}"
-        for name, t in expected.items()
-        if name in stored and stored[name].is_floating_point() != t.is_floating_point()
-    ]
-    floating = {t.dtype for name, t in stored.items() if name in expected and t.is_floating_point()}
-    if len(floating) > 1:
-        problems.append(f"its floating-point tensors mix dtypes {sorted(map(str, floating))}")
-    problems += [
-        f"its tensors are {dtype}, which the model cannot run in (it runs in {', '.join(map(str, FLOAT_DTYPES))})"
-        for dtype in floating
-        if dtype not in FLOAT_DTYPES
-    ]
+    problems = mismatches(model.state_dict(), stored)
     if problems:
         raise ValueError(f"checkpoint {path} does not match the model: " + "; ".join(problems))
+    floating = {t.dtype for t in stored.values() if t.is_floating_point()}
     if floating:
         model.to(floating.pop())
     model.load_state_dict(stored)

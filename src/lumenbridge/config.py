@@ -20,6 +20,15 @@ OUTPUT_FORMATS = ("NLC", "NCHW", "NHWC")
 KERNEL_SIZES = (3, 5, 7)
 
 
+# The fields that shape no parameter: a built model's config may change these.
+PREPROCESSING_FIELDS = ("mean", "std", "output_fmt", "image_size")
+
+
+def architecture_fields() -> list[str]:
+    """The TokenizerConfig fields a model's modules and parameters follow."""
+    return [f.name for f in dataclasses.fields(TokenizerConfig) if f.name not in PREPROCESSING_FIELDS]
+
+
 def is_int(value) -> bool:
     """Whether value is an int and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, ops
-from .config import TokenizerConfig
+from .config import TokenizerConfig, architecture_fields
 from .dispatch import check_backend_name, select_backend
 from .layout import is_channels_last, memory_format_of
 from .shapes import grid_extent
@@ -125,12 +125,7 @@ class VisualTokenizer(nn.Module):
         seed: int | None = None,
     ):
         super().__init__()
-        if config is not None and not isinstance(config, TokenizerConfig):
-            raise TypeError(
-                f"config must be a TokenizerConfig, got {type(config).__name__}; "
-                "for a preset use TokenizerConfig.preset(name)"
-            )
-        self.config = config or TokenizerConfig()
+        self.config = TokenizerConfig() if config is None else config
         if backend is not None:
             check_backend_name(backend)  # now, not at the first forward
         self.backend = backend
@@ -151,17 +146,41 @@ class VisualTokenizer(nn.Module):
         self.register_buffer("pixel_mean", mean, persistent=False)
         self.register_buffer("pixel_std", std, persistent=False)
 
+    def __setattr__(self, name, value):
+        if name != "config":
+            super().__setattr__(name, value)
+            return
+        if not isinstance(value, TokenizerConfig):
+            raise TypeError(
+                f"config must be a TokenizerConfig, got {type(value).__name__}; "
+                "for a preset use TokenizerConfig.preset(name)"
+            )
+        built = "pixel_mean" in self._buffers
+        if built:
+            changed = [f for f in architecture_fields() if getattr(value, f) != getattr(self.config, f)]
+            if changed:
+                raise ValueError(
+                    f"a built model's config cannot change {', '.join(changed)}, which its parameters follow; "
+                    "build a new VisualTokenizer from the new config"
+                )
+        super().__setattr__(name, value)
+        if built:  # the native op reads the pixel statistics from the config, the reference from the buffers
+            self._refill_pixel_statistics()
+
     def _apply(self, fn, recurse=True):
         """Every move and cast (to, half, to_empty, ...) also refills the pixel
         statistics from the config, in the buffers' new dtype: a cast would
         otherwise keep a narrower dtype's rounding (bf16 and back to float32),
         and to_empty leaves them uninitialized, since no checkpoint holds them."""
         super()._apply(fn, recurse)
+        self._refill_pixel_statistics()
+        return self
+
+    def _refill_pixel_statistics(self) -> None:
         mean, std = pixel_statistics(self.config, self.pixel_mean.dtype)
         with torch.no_grad():
             self.pixel_mean.copy_(mean)
             self.pixel_std.copy_(std)
-        return self
 
     @property
     def embed_dim(self) -> int:

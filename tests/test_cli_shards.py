@@ -272,6 +272,19 @@ def test_brace_expansion():
     assert expand_braces("{-1..01}") == ["-1", "00", "01"]
 
 
+def test_brace_ranges_with_a_step_and_of_letters(tmp_path, images):
+    """As bash expands them: a step's size (the bounds give the direction), and
+    single letters; both once gave a pattern that named no file."""
+    assert expand_braces("d-{00000..00010..4}.tar") == ["d-00000.tar", "d-00004.tar", "d-00008.tar"]
+    assert expand_braces("{10..1..-3}") == ["10", "7", "4", "1"]
+    assert expand_braces("{a..c}{e..a..2}") == ["ae", "ac", "aa", "be", "bc", "ba", "ce", "cc", "ca"]
+    assert expand_braces("{a..5}") == ["{a..5}"]  # no range: bash leaves it too
+    for letter, image in zip("abc", images[:3], strict=True):
+        os.link(image, tmp_path / f"{letter}.jpg")
+    assert tokenize(tmp_path / "{a..c..2}.jpg", "--out", tmp_path / "out") == 0
+    assert [Path(entry["key"]).name for entry in index_of(tmp_path / "out")] == ["a.jpg", "c.jpg"]
+
+
 def test_webdataset_tars_with_corrupt_samples(tmp_path, images, capsys):
     good = make_tar(tmp_path / "data-000.tar", images[:5])
     keys = make_tar(

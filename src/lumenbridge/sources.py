@@ -41,7 +41,8 @@ IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 _GLOB_CHARACTERS = frozenset("*?[")
 _BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)")
+_NUMBER_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?")
+_LETTER_RANGE = re.compile(r"([a-zA-Z])\.\.([a-zA-Z])(?:\.\.(-?\d+))?")
 
 
 class Sample(NamedTuple):
@@ -64,7 +65,7 @@ class Input(NamedTuple):
 
 
 def has_braces(pattern: str) -> bool:
-    return any(_RANGE.fullmatch(m.group(1)) or "," in m.group(1) for m in _BRACE.finditer(pattern))
+    return any(_brace_values(match.group(1)) is not None for match in _BRACE.finditer(pattern))
 
 
 def _zero_padded(bound: str) -> bool:
@@ -74,22 +75,33 @@ def _zero_padded(bound: str) -> bool:
     return len(digits) > 1 and digits.startswith("0")
 
 
+def _brace_values(body: str) -> list[str] | None:
+    """What a brace body expands to, as bash expands it; None for a body that is
+    neither a range nor alternatives (it stays as it is). A range runs from its
+    first bound to its last, both included, by its step's size (1 if none or 0;
+    the bounds give the direction): `{8..10}`, `{000..010..2}` (a bound with a
+    leading zero pads every value to the wider bound's width), `{a..e}`."""
+    numbers = _NUMBER_RANGE.fullmatch(body)
+    letters = _LETTER_RANGE.fullmatch(body)
+    if numbers or letters:
+        first, last, step = (numbers or letters).groups()
+        start, stop = (int(first), int(last)) if numbers else (ord(first), ord(last))
+        size = abs(int(step or 1)) or 1
+        values = range(start, stop + 1, size) if stop >= start else range(start, stop - 1, -size)
+        if letters:
+            return [chr(value) for value in values]
+        width = max(len(first), len(last)) if _zero_padded(first) or _zero_padded(last) else 0
+        return [f"{value:0{width}d}" for value in values]
+    return body.split(",") if "," in body else None
+
+
 def expand_braces(pattern: str) -> list[str]:
     """Brace expansion as WebDataset and the shell do it: `a-{000..002}.tar`
-    gives a-000.tar, a-001.tar, a-002.tar (a bound with a leading zero pads every
-    value to the wider bound's width, as bash does), and
-    `{x,y}` gives each alternative. Braces holding neither stay as they are."""
+    gives a-000.tar, a-001.tar, a-002.tar, and `{x,y}` gives each alternative
+    (see _brace_values). Braces holding neither stay as they are."""
     for match in _BRACE.finditer(pattern):
-        body = match.group(1)
-        numbers = _RANGE.fullmatch(body)
-        if numbers:
-            first, last = numbers.groups()
-            width = max(len(first), len(last)) if _zero_padded(first) or _zero_padded(last) else 0
-            step = 1 if int(last) >= int(first) else -1
-            values = [f"{value:0{width}d}" for value in range(int(first), int(last) + step, step)]
-        elif "," in body:
-            values = body.split(",")
-        else:
+        values = _brace_values(match.group(1))
+        if values is None:
             continue
         head, tail = pattern[: match.start()], pattern[match.end() :]
         return [expanded for value in values for expanded in expand_braces(head + value + tail)]

@@ -177,3 +177,50 @@ def test_a_parquet_list_may_hold_a_categorical_or_string_view_column(tmp_path):
     for number, column in enumerate(columns):
         pq.write_table(pyarrow.table({"path": column}), tmp_path / f"list{number}.parquet")
         assert found(tmp_path / f"list{number}.parquet") == [image]
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes = b"", **fields) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for field, value in fields.items():
+        setattr(info, field, value)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_hard_link_member_reads_its_targets_bytes_and_a_symbolic_link_is_an_error(tmp_path):
+    """GNU tar stores a file's second copy as a hard link to the first: it once
+    made a sample with no image member. A symbolic link is not followed, and
+    its sample, once left out of both index and errors, is an error."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        add_member(tar, "d/a.jpg", b"JPEG bytes")
+        add_member(tar, "d/b.jpg", type=tarfile.LNKTYPE, linkname="d/a.jpg")
+        add_member(tar, "d/c.jpg", type=tarfile.SYMTYPE, linkname="a.jpg")
+        add_member(tar, "d/e.jpg", type=tarfile.LNKTYPE, linkname="d/later.jpg")
+        add_member(tar, "d/f.jpg", type=tarfile.FIFOTYPE)
+    a, b, c, e, f = build_plan([Input("tar", str(path))])
+    assert (b.key, b.member, b.error) == ("d/b", "d/b.jpg", None)
+    assert read_sample_bytes(b) == read_sample_bytes(a) == b"JPEG bytes"
+    assert (c.key, c.member, c.error) == (
+        "d/c",
+        "d/c.jpg",
+        "the image member is a symbolic link to 'a.jpg'; links in a tar are not followed",
+    )
+    assert e.error == "the image member is a hard link to 'd/later.jpg', which is no earlier file of the tar"
+    assert f.error == "the image member is not a file but a special entry (tar type b'6')"
+
+
+def test_data_after_a_tars_end_is_an_error_naming_where(tmp_path):
+    """`cat a.tar b.tar` makes a tar that readers stop reading at a.tar's end
+    blocks: b.tar's samples were left out unsaid."""
+    first, second = tmp_path / "a.tar", tmp_path / "b.tar"
+    for path in (first, second):
+        with tarfile.open(path, "w") as tar:
+            add_member(tar, f"{path.stem}.jpg", b"bytes")
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(first.read_bytes() + second.read_bytes())
+    a, after = build_plan([Input("tar", str(joined))])
+    assert a.key == "a" and a.error is None
+    start = first.stat().st_size
+    assert after.key == f"{joined}@{start}"
+    assert f"data follows the end-of-archive blocks (at byte 1024) from byte {start}" in after.error

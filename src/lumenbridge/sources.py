@@ -283,7 +283,37 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (posixpath.join(folder, stem) if folder else stem), extension.lower()
 
 
-def _image_member(members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+class _Member(NamedTuple):
+    """A tar member as part of a sample: where its bytes are (a hard link's are
+    its target's), or why they cannot be read."""
+
+    name: str
+    offset: int = -1
+    size: int = -1
+    problem: str | None = None
+
+
+def _member(info: tarfile.TarInfo, files: dict[str, _Member]) -> _Member:
+    """What a sample can read of a member. `files` holds the earlier members
+    whose bytes can be read, by normalized name: a hard link (GNU tar stores a
+    file's second copy as one) names one of them."""
+    if info.islnk():
+        target = files.get(posixpath.normpath(info.linkname))
+        if target is None:
+            return _Member(
+                info.name, problem=f"is a hard link to {info.linkname!r}, which is no earlier file of the tar"
+            )
+        return target._replace(name=info.name)
+    if info.issym():
+        return _Member(info.name, problem=f"is a symbolic link to {info.linkname!r}; links in a tar are not followed")
+    if info.sparse is not None:
+        return _Member(info.name, problem="is a sparse file, whose bytes are not stored in one piece")
+    if not info.isfile():
+        return _Member(info.name, problem=f"is not a file but a special entry (tar type {info.type!r})")
+    return _Member(info.name, info.offset_data, info.size)
+
+
+def _image_member(members: dict[str, _Member]) -> _Member | None:
     """A sample's image member (members by extension, in member order): the
     first of IMAGE_MEMBER_EXTENSIONS it has; failing that, a member whose
     multi-part extension ends in one of them (left.jpg, 000.png), in that
@@ -292,60 +322,92 @@ def _image_member(members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None
         if extension in members:
             return members[extension]
     for extension in IMAGE_MEMBER_EXTENSIONS:
-        for name, info in members.items():
+        for name, member in members.items():
             if name.rpartition(".")[2] == extension:
-                return info
+                return member
     return None
 
 
-def _sample_of(tar_path: str, key: str, members: dict[str, tarfile.TarInfo], tar_size: int) -> Sample:
-    info = _image_member(members)
-    if info is not None:
-        if info.offset_data + info.size > tar_size:
-            return Sample(key, tar_path, info.name, error="the tar ends inside this member (truncated tar)")
-        return Sample(key, tar_path, info.name, info.offset_data, info.size)
+def _sample_of(tar_path: str, key: str, members: dict[str, _Member], tar_size: int) -> Sample:
+    """A sample from its members: its image member is _image_member's among
+    those that can be read (as WebDataset, which reads only files); failing
+    that, one that cannot be read makes the sample an error naming it."""
+    member = _image_member({extension: each for extension, each in members.items() if each.problem is None})
+    if member is not None:
+        if member.offset + member.size > tar_size:
+            return Sample(key, tar_path, member.name, error="the tar ends inside this member (truncated tar)")
+        return Sample(key, tar_path, member.name, member.offset, member.size)
+    unreadable = _image_member(members)
+    if unreadable is not None:
+        return Sample(key, tar_path, unreadable.name, error=f"the image member {unreadable.problem}")
     have = ", ".join(sorted(members)) or "nothing"
     return Sample(
         key, tar_path, error=f"no image member ({'/'.join(IMAGE_MEMBER_EXTENSIONS)}) in the sample; it has {have}"
     )
 
 
+def _first_data_block(file, start: int) -> int | None:
+    """Where the first 512-byte block from `start` (a block boundary) on that
+    holds a byte other than zero begins; None if none does."""
+    file.seek(start)
+    position = start
+    while chunk := file.read(1 << 16):
+        zeros = len(chunk) - len(chunk.lstrip(b"\0"))
+        if zeros < len(chunk):
+            return position + zeros - zeros % tarfile.BLOCKSIZE
+        position += len(chunk)
+    return None
+
+
 def scan_tar(path: str) -> list[Sample]:
     """The samples of one WebDataset tar, in member order, reading only the
     member headers. A sample is the run of consecutive members sharing a key;
-    its image member is _image_member's.
-    Hidden members (._name) are ignored. A tar that cannot be read, whose
-    headers stop being readable part-way, or that ends without its
-    end-of-archive blocks (cut between members), adds one error sample (key:
-    the tar's path and the byte offset) for what could not be listed."""
+    its image member is _sample_of's. Hidden members (._name) and folders are
+    ignored. A tar that cannot be read, whose headers stop being readable
+    part-way, that ends without its end-of-archive blocks (cut between
+    members), or that holds data after them (tars joined with cat, which
+    tar reads only with --ignore-zeros), adds one error sample (key: the
+    tar's path and the byte offset) for what could not be listed."""
     samples: list[Sample] = []
     key, members, size = None, {}, 0
+    files: dict[str, _Member] = {}  # the members whose bytes can be read, for hard links
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             for info in tar:
-                if not info.isfile() or posixpath.basename(info.name).startswith("."):
+                if info.isdir():
+                    continue
+                member = _member(info, files)
+                if member.problem is None:
+                    files[posixpath.normpath(info.name)] = member
+                if posixpath.basename(info.name).startswith("."):
                     continue
                 member_key, extension = split_member_name(info.name)
                 if member_key != key:
                     if key is not None:
                         samples.append(_sample_of(path, key, members, size))
                     key, members = member_key, {}
-                members.setdefault(extension, info)
+                members.setdefault(extension, member)
             if key is not None:
                 samples.append(_sample_of(path, key, members, size))
                 key = None
-            # tarfile stops quietly at a damaged header, and at the end of a
-            # file cut between members; what follows must be the zero end blocks.
+            # tarfile stops quietly at a damaged header, at the end of a file
+            # cut between members, and at the first end block: what follows
+            # must be the end blocks, then nothing but zeros.
             end = tar.offset
-            raw.seek(end)
-            tail = raw.read(1024)
-            if tail.strip(b"\0"):
+            data = _first_data_block(raw, end)
+            if data == end:
                 reason = f"unreadable tar header at byte {end}; the rest of the tar is skipped"
                 samples.append(Sample(f"{path}@{end}", path, error=reason))
-            elif len(tail) < 512:
+            elif size - end < tarfile.BLOCKSIZE:
                 reason = f"the tar ends at byte {end} without its end-of-archive blocks: it was cut short there"
                 samples.append(Sample(f"{path}@{end}", path, error=reason))
+            elif data is not None:
+                reason = (
+                    f"data follows the end-of-archive blocks (at byte {end}) from byte {data}, and is skipped: "
+                    "were tars joined with cat? Name each tar instead"
+                )
+                samples.append(Sample(f"{path}@{data}", path, error=reason))
     except (OSError, tarfile.TarError, EOFError) as error:
         if key is not None:  # the sample being listed when the tar ended
             samples.append(_sample_of(path, key, members, size))

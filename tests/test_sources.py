@@ -11,6 +11,7 @@ import tarfile
 import pytest
 from conftest import import_or_skip, save_image
 
+from lumenbridge.images import MAX_IMAGE_BYTES, ImageTooLarge
 from lumenbridge.sources import Input, build_plan, expand_inputs, read_sample_bytes
 
 
@@ -224,3 +225,23 @@ def test_data_after_a_tars_end_is_an_error_naming_where(tmp_path):
     start = first.stat().st_size
     assert after.key == f"{joined}@{start}"
     assert f"data follows the end-of-archive blocks (at byte 1024) from byte {start}" in after.error
+
+
+def test_a_file_or_member_over_the_byte_limit_is_refused_unread(tmp_path):
+    """A multi-gigabyte file named .jpg was read whole into a worker's memory
+    (and killed it again on every rerun). Both files here are sparse: no byte
+    of them is on disk."""
+    size = MAX_IMAGE_BYTES + 1
+    huge = tmp_path / "huge.jpg"
+    with open(huge, "wb") as file:
+        file.truncate(size)
+    header = tarfile.TarInfo("huge.jpg")
+    header.size = size
+    with open(tmp_path / "huge.tar", "wb") as file:
+        file.write(header.tobuf())
+        file.truncate(tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE)
+    plan = build_plan([Input("file", str(huge)), Input("tar", str(tmp_path / "huge.tar"))])
+    assert [sample.error for sample in plan] == [None, None]
+    for sample in plan:
+        with pytest.raises(ImageTooLarge, match=f"^{size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}"):
+            read_sample_bytes(sample)

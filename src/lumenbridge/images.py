@@ -29,6 +29,11 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
 # Pillow's own warning threshold (1 GiB of 24-bit RGB): about 89.5 Mpx.
 DEFAULT_MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3
+# The most bytes one image file or tar member may have, checked before it is
+# read whole: 1 GiB, far above what any image within the default pixel limit
+# needs (8 bytes a pixel, 16-bit RGBA stored uncompressed, is 716 MB). A larger
+# "image" would only fill a worker's memory, again on every rerun.
+MAX_IMAGE_BYTES = 1024 * 1024 * 1024
 WHITE = (255, 255, 255)
 
 SAMPLE_IMAGE_NAMES = (
@@ -82,7 +87,7 @@ def exif_orientation(image: Image.Image) -> int:
 
 
 class ImageTooLarge(ValueError):
-    """An image with more pixels than the decoding limit allows."""
+    """An image with more pixels than the decoding limit allows, or more bytes than MAX_IMAGE_BYTES."""
 
 
 # What a bad input file can raise while being opened and decoded.
@@ -162,6 +167,12 @@ def check_pixel_count(size: tuple[int, int], max_pixels: int) -> None:
             f"{width} x {height} = {pixel_count(width * height)}, over the limit of {pixel_count(max_pixels)} "
             "(--max-pixels)"
         )
+
+
+def check_byte_count(size: int) -> None:
+    """Raise ImageTooLarge if an image file (or tar member) of this many bytes is over MAX_IMAGE_BYTES."""
+    if size > MAX_IMAGE_BYTES:
+        raise ImageTooLarge(f"{size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,} for one image file")
 
 
 def pixel_count(pixels: int) -> str:

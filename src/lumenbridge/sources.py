@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from .images import IMAGE_EXTENSIONS, images_in_folder, is_image_file
+from .images import IMAGE_EXTENSIONS, check_byte_count, images_in_folder, is_image_file
 
 TAR_SUFFIXES = (".tar",)
 COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
@@ -466,10 +466,13 @@ def forget_open_tars() -> None:
 
 
 def read_sample_bytes(sample: Sample) -> bytes:
-    """The encoded image of a sample: the whole file, or its tar member's bytes."""
+    """The encoded image of a sample: the whole file, or its tar member's bytes.
+    Raises ImageTooLarge, before reading, for one over MAX_IMAGE_BYTES."""
     if sample.member is None:
         with open(sample.source, "rb") as file:
+            check_byte_count(os.fstat(file.fileno()).st_size)
             return file.read()
+    check_byte_count(sample.size)
     descriptor = _open_tars.get(sample.source)
     if descriptor is None:
         if len(_open_tars) >= 64:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -487,7 +488,7 @@ def test_a_folder_of_a_different_run_is_refused(tmp_path, images, capsys):
     before = tree(out)
     assert tokenize(*images[:7], "--out", out) == 2
     err = capsys.readouterr().err
-    assert "holds a different run" in err and "inputs: DIR holds a run over 6 images" in err
+    assert "holds a different run" in err and "inputs: DIR holds a run over 6 samples" in err
     assert "--overwrite" in err
     assert (
         cli.main(
@@ -516,6 +517,25 @@ def test_a_folder_of_a_different_run_is_refused(tmp_path, images, capsys):
     # --overwrite starts afresh.
     assert tokenize(*images[:7], "--out", out, "--overwrite") == 0
     assert len(index_of(out)) == 7
+
+
+def test_a_run_whose_files_changed_since_is_refused(tmp_path, images, capsys):
+    """The plan names files, not their bytes: a run continued after an image
+    was rewritten, or a listed file that was missing appeared, would mix old
+    and new shards. Each file's size and modification time are recorded too."""
+    listing, out = tmp_path / "list.txt", tmp_path / "out"
+    listing.write_text(f"{images[0]}\n{images[1]}\nlater.jpg\n")
+    assert tokenize(listing, "--out", out, "--shard-size", "2") == 1  # later.jpg is missing: skipped
+    changed = "inputs: the same 3 samples as DIR's run, but an input file changed since it began"
+    shutil.copy(images[2], tmp_path / "later.jpg")
+    assert tokenize(listing, "--out", out, "--shard-size", "2") == 2
+    assert changed in capsys.readouterr().err
+    os.unlink(tmp_path / "later.jpg")
+    assert tokenize(listing, "--out", out, "--shard-size", "2") == 1  # as it was
+    assert "already done" in capsys.readouterr().out
+    photo(99, (50, 40)).save(images[1])
+    assert tokenize(listing, "--out", out, "--shard-size", "2") == 2
+    assert changed in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -548,15 +568,18 @@ def test_another_dtype_is_named_as_the_only_difference(tmp_path, images, capsys)
 
 
 def test_overwrite_retries_the_images_a_finished_run_skipped(tmp_path, images, capsys):
-    """The same command continues a run and keeps its verdicts; with
-    --overwrite it starts that run afresh, so a fixed image is read again."""
+    """The same command continues a run and keeps its verdicts; once an image
+    is fixed, its file changed and the run is refused; --overwrite starts it
+    afresh, so the fixed image is read again."""
     broken = tmp_path / "images" / "zz-broken.png"
     broken.write_bytes(b"not an image")
     out = tmp_path / "out"
     assert tokenize(tmp_path / "images", "--out", out) == 1
+    assert tokenize(tmp_path / "images", "--out", out) == 1
     assert [line["key"] for line in errors_of(out)] == [str(broken)]
     save_image(broken)
-    assert tokenize(tmp_path / "images", "--out", out) == 1
+    assert tokenize(tmp_path / "images", "--out", out) == 2
+    assert "an input file changed since it began" in capsys.readouterr().err
     assert tokenize(tmp_path / "images", "--out", out, "--overwrite") == 0
     assert errors_of(out) == [] and len(index_of(out)) == len(images) + 1
 

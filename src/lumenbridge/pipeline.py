@@ -715,14 +715,14 @@ def execution_settings(options: Options) -> dict:
     return settings
 
 
-def build_manifest(plan_digest: str, images: int, count: int, options: Options, model, weights: str, digest: str):
+def build_manifest(inputs: dict, count: int, options: Options, model, weights: str, digest: str):
     import json
 
     dtype = str(options.dtype).removeprefix("torch.")
     return {
         "format": shards.FORMAT,
         "version": shards.FORMAT_VERSION,
-        "inputs": {"digest": plan_digest, "images": images},
+        "inputs": inputs,
         "shards": count,
         "settings": {
             "shard_size": options.shard_size,
@@ -756,7 +756,7 @@ def run(
     import hashlib
     import json
 
-    from .sources import build_plan, plan_digest, scan_tars
+    from .sources import build_plan, plan_digest, scan_tars, stamps_digest
 
     started = time.perf_counter()
     plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
@@ -764,7 +764,10 @@ def run(
         raise shards.OutputError("the inputs hold no sample: every tar named is empty")
     check_ranks_agree(execution_settings(options), allow_mixed, group)
     count = shards.shard_count(len(plan), options.shard_size)
-    manifest = build_manifest(plan_digest(plan), len(plan), count, options, model, weights, digest)
+    # The files' stamps as rank 0 sees them (it listed the inputs), the same on every rank.
+    stamps = group.from_main(lambda: stamps_digest(inputs))
+    recorded = {"samples": len(plan), "digest": plan_digest(plan), "stamps": stamps}
+    manifest = build_manifest(recorded, count, options, model, weights, digest)
     content = {key: manifest[key] for key in ("version", "inputs", "settings")}
     content["model"] = shards.decisive_model(manifest["model"])
     fingerprint = hashlib.sha256(shards.dumps(content).encode()).hexdigest()

@@ -4,7 +4,7 @@ byte-identical result, and read back lazily.
 
 Layout of an output folder DIR:
 
-    lumenbridge.json                   what the run is: its inputs' digest, settings, model (written first)
+    lumenbridge.json                   what the run is: its inputs' digests, settings, model (written first)
     tokens-00000-of-00012.safetensors  the tokens of shard 0: "tokens" [rows, T, D]
     parts/tokens-00000-of-00012.index.jsonl    that shard's index lines
     parts/tokens-00000-of-00012.errors.jsonl   that shard's skipped samples
@@ -42,7 +42,7 @@ INDEX = "index.jsonl"
 ERRORS = "errors.jsonl"
 PARTS = "parts"
 FORMAT = "lumenbridge-token-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the inputs record their files' stamps
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -142,6 +142,20 @@ def decisive_model(model: dict) -> dict:
     return {key: value for key, value in model.items() if key != "weights"}
 
 
+def inputs_difference(old: dict, now: dict) -> str:
+    """How the inputs DIR's run recorded differ from this command's: their
+    plans (samples, digest) or, the plans the same, their files' stamps."""
+    if {**old, "stamps": now["stamps"]} == now:
+        return (
+            f"inputs: the same {now['samples']} samples as DIR's run, but an input file changed since it began "
+            "(its size or modification time differs)"
+        )
+    return (
+        f"inputs: DIR holds a run over {old.get('samples')} samples (image files and tar samples, readable or not; "
+        f"digest {str(old.get('digest'))[:12]}), this command names {now['samples']} (digest {now['digest'][:12]})"
+    )
+
+
 def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
     """What differs between the run that made DIR and this one; [] if it may continue.
     The inputs and every setting that decides the tokens must match; the execution
@@ -150,11 +164,7 @@ def compare_manifests(stored: dict, new: dict, allow_mixed: bool) -> list[str]:
     if stored.get("version") != new["version"]:
         differences.append(f"format version {stored.get('version')} (this LumenBridge writes {new['version']})")
     if stored.get("inputs") != new["inputs"]:
-        old, now = stored.get("inputs") or {}, new["inputs"]
-        differences.append(
-            f"inputs: DIR holds a run over {old.get('images')} images (digest {str(old.get('digest'))[:12]}), "
-            f"this command names {now['images']} (digest {now['digest'][:12]})"
-        )
+        differences.append(inputs_difference(stored.get("inputs") or {}, new["inputs"]))
     for section in ("settings", "model") + (() if allow_mixed else ("execution",)):
         old, now = stored.get(section) or {}, new[section]
         if section == "model":
@@ -194,8 +204,8 @@ def prepare_output_dir(path: str, manifest: dict, *, overwrite: bool, allow_mixe
     """Checks that DIR can hold this run and, for a new run, writes its manifest.
 
     A new or empty folder starts a new run. A folder holding a run with the same
-    inputs and settings continues it, unless --overwrite asks to start afresh
-    (to retry images it skipped, say). A folder of another run is refused (with
+    inputs (their files unchanged) and settings continues it, unless --overwrite
+    asks to start afresh. A folder of another run is refused (with
     --overwrite its files are removed and the run starts afresh), and so is a
     folder with anything else in it, even with --overwrite: nothing LumenBridge
     did not write is ever removed. Staging folders of killed runs are removed."""

@@ -6,8 +6,9 @@ Every sample has a key (an image file's absolute path, or a tar sample's
 WebDataset key), its source (the file or the tar) and, in a tar, the byte
 range of its image member, so that a DataLoader worker reads just those
 bytes. The plan is a pure function of the inputs: every rank of a torchrun
-job, and every resumed run, computes the same one, and its digest is what
-tells a resumed run that it continues the same work.
+job, and every resumed run, computes the same one, and its digest, with
+stamps_digest of the input files' sizes and modification times, is what
+tells a resumed run that it continues the same work on the same files.
 
 Problems found while planning that belong to a sample (a tar sample with no
 image member, a member cut off by a truncated tar, a tar whose headers stop
@@ -452,6 +453,32 @@ def plan_digest(plan: Iterable[Sample]) -> str:
     return digest.hexdigest()
 
 
+def _stamp(path: str) -> tuple[int, int] | None:
+    """A file's size and modification time in nanoseconds; None where it cannot
+    be found (a listed file that is missing, which is read, and named in the
+    errors file, in its turn)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_size, status.st_mtime_ns
+
+
+def stamps_digest(inputs: Sequence[Input], threads: int = 16, chunk: int = 4096) -> str:
+    """A digest of every input file's size and modification time (a tar's own,
+    not its members'), or of its absence: the plan's digest covers names and
+    byte ranges, not contents, so this is what tells a resumed run that the
+    files changed since the run began. Several stats at a time: on a network
+    file system each waits for the server."""
+    paths = [item.path for item in inputs]
+    chunks = [paths[start : start + chunk] for start in range(0, len(paths), chunk)]
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for stamps in pool.map(lambda some: [_stamp(path) for path in some], chunks):
+            digest.update("".join(f"{stamp}\n" for stamp in stamps).encode())
+    return digest.hexdigest()
+
+
 # Descriptors of the tars this process has read from, by path: a DataLoader
 # worker reads many samples of a tar, so each is opened once.
 _open_tars: dict[str, int] = {}
@@ -494,4 +521,5 @@ __all__ = [
     "plan_digest",
     "read_sample_bytes",
     "scan_tar",
+    "stamps_digest",
 ]

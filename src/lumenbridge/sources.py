@@ -25,12 +25,14 @@ import os
 import posixpath
 import re
 import tarfile
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 from .images import IMAGE_EXTENSIONS, check_byte_count, images_in_folder, is_image_file
+from .plan import Plan, Sample
 
 TAR_SUFFIXES = (".tar",)
 COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
@@ -44,18 +46,6 @@ _GLOB_CHARACTERS = frozenset("*?[")
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _NUMBER_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?")
 _LETTER_RANGE = re.compile(r"([a-zA-Z])\.\.([a-zA-Z])(?:\.\.(-?\d+))?")
-
-
-class Sample(NamedTuple):
-    """One image of the plan. For a file, member is None and offset and size are -1;
-    error is set for a sample already known to be unreadable."""
-
-    key: str
-    source: str
-    member: str | None = None
-    offset: int = -1
-    size: int = -1
-    error: str | None = None
 
 
 class Input(NamedTuple):
@@ -426,7 +416,7 @@ def scan_tars(paths: Sequence[str], threads: int = 8) -> list[list[Sample]]:
         return list(pool.map(scan_tar, paths))
 
 
-def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sample]]] = scan_tars) -> list[Sample]:
+def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sample]]] = scan_tars) -> Plan:
     """The ordered samples of the inputs. `scan` lists the samples of the tars
     (one list per tar); torchrun jobs pass one that shares the work between ranks.
     Tars opened for an earlier plan are closed first: their byte ranges are
@@ -434,11 +424,13 @@ def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sa
     forget_open_tars()
     inputs = list(inputs)
     tars = [item.path for item in inputs if item.kind == "tar"]
-    scanned = dict(zip(tars, scan(tars), strict=True)) if tars else {}
-    plan: list[Sample] = []
+    listings = deque(scan(tars) if tars else [])
+    if len(listings) != len(tars):
+        raise ValueError(f"scan listed {len(listings)} tars of {len(tars)}")
+    plan = Plan()
     for item in inputs:
         if item.kind == "tar":
-            plan.extend(scanned[item.path])
+            plan.extend(listings.popleft())  # each listing freed once it is in the plan
         else:
             plan.append(Sample(item.path, item.path))
     return plan
@@ -514,6 +506,7 @@ def read_sample_bytes(sample: Sample) -> bytes:
 __all__ = [
     "IMAGE_EXTENSIONS",
     "Input",
+    "Plan",
     "Sample",
     "build_plan",
     "expand_braces",

@@ -46,7 +46,10 @@ def test_the_plan_gives_back_every_kind_of_sample_and_the_same_digest():
     assert list(plan) == samples
     assert [plan[index] for index in range(-len(samples), 0)] == samples
     assert plan_digest(plan) == plan_digest(samples)
-    assert list(pickle.loads(pickle.dumps(plan))) == samples  # as a DataLoader started by spawn gets it
+    assert list(pickle.loads(pickle.dumps(plan))) == samples  # as the ranks exchange tar listings
+    joined = Plan(samples[:4])
+    joined.extend(Plan(samples[4:]))  # from the arrays, one source shared
+    assert list(joined) == samples
     with pytest.raises(IndexError):
         plan[len(samples)]
     with pytest.raises(ValueError, match="NUL"):

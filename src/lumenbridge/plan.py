@@ -65,13 +65,15 @@ class Plan(Sequence[Sample]):
         self._errors: dict[int, str] = {}
         self.extend(samples)
 
+    def _number(self, source: str) -> int:
+        """The index of a source in _sources, added there if new."""
+        number = self._source_numbers.setdefault(source, len(self._sources))
+        if number == len(self._sources):
+            self._sources.append(source)
+        return number
+
     def append(self, sample: Sample) -> None:
-        if sample.source == sample.key:
-            source = _SAME
-        else:
-            source = self._source_numbers.setdefault(sample.source, len(self._sources))
-            if source == len(self._sources):
-                self._sources.append(sample.source)
+        source = _SAME if sample.source == sample.key else self._number(sample.source)
         if sample.error is not None:
             self._errors[len(self)] = sample.error
         self._text += _text(sample).encode(*_ENCODING)
@@ -81,8 +83,22 @@ class Plan(Sequence[Sample]):
         self._size.append(sample.size)
 
     def extend(self, samples: Iterable[Sample]) -> None:
+        if isinstance(samples, Plan):
+            self._extend_arrays(samples)
+            return
         for sample in samples:
             self.append(sample)
+
+    def _extend_arrays(self, other: Plan) -> None:
+        """Appends another plan's samples from its arrays, without making them."""
+        numbers = [self._number(source) for source in other._sources]
+        self._errors.update({len(self) + index: error for index, error in other._errors.items()})
+        start = len(self._text)
+        self._text += other._text
+        self._ends.extend(array("q", (start + end for end in other._ends)))
+        self._source.extend(array("i", (_SAME if number == _SAME else numbers[number] for number in other._source)))
+        self._offset.extend(other._offset)
+        self._size.extend(other._size)
 
     def __len__(self) -> int:
         return len(self._ends)

@@ -408,17 +408,20 @@ def scan_tar(path: str) -> list[Sample]:
     return samples
 
 
-def scan_tars(paths: Sequence[str], threads: int = 8) -> list[list[Sample]]:
-    """scan_tar of each path, several at a time (the work is reading headers)."""
+def scan_tars(paths: Sequence[str], threads: int = 8) -> list[Plan]:
+    """scan_tar of each path, several at a time (the work is reading headers),
+    each listing kept as a Plan: the listings of every tar are sent to every
+    rank and held together while the plan is built, a few times the plan's
+    size as tuples of strings."""
     if len(paths) <= 1:
-        return [scan_tar(path) for path in paths]
+        return [Plan(scan_tar(path)) for path in paths]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(scan_tar, paths))
+        return list(pool.map(lambda path: Plan(scan_tar(path)), paths))
 
 
-def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], list[list[Sample]]] = scan_tars) -> Plan:
+def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], Sequence[Sequence[Sample]]] = scan_tars) -> Plan:
     """The ordered samples of the inputs. `scan` lists the samples of the tars
-    (one list per tar); torchrun jobs pass one that shares the work between ranks.
+    (one listing per tar); torchrun jobs pass one that shares the work between ranks.
     Tars opened for an earlier plan are closed first: their byte ranges are
     this plan's."""
     forget_open_tars()

@@ -112,6 +112,21 @@ def test_keys_for_other_tools_in_config_json_are_left_to_them(saved):
     assert VisualTokenizer.from_pretrained(directory).config == model.config
 
 
+def test_weights_saved_before_they_carried_the_config_load_with_model_type_added(saved):
+    """Checkpoints from before model.safetensors held the config: config.json
+    says what they are, and "model_type" added for transformers (as the README
+    says) is left to it rather than taken for a LumenBridgeVisionModel folder."""
+    model, directory = saved
+    safetensors.torch.save_file(
+        safetensors.torch.load_file(directory / "model.safetensors"), directory / "model.safetensors"
+    )
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "lumenbridge"}))
+    loaded = VisualTokenizer.from_pretrained(directory)
+    assert loaded.config == model.config
+    assert torch.equal(loaded.stages[2].pw.weight, model.stages[2].pw.weight)
+
+
 def test_a_corrupt_config_in_the_weights_is_named(saved):
     _, directory = saved
     tensors = safetensors.torch.load_file(directory / "model.safetensors")

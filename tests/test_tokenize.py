@@ -373,6 +373,23 @@ def test_edited_modules_run_layer_by_layer_and_say_so(native_ops, edit, caplog):
     assert not torch.allclose(tokens, unedited, rtol=1e-3, atol=1e-3)
 
 
+def test_an_edited_stride_runs_layer_by_layer_and_is_not_saved(native_ops, tmp_path):
+    """The layers take a depthwise convolution's stride from the module, the op
+    from the config: a changed stride runs layer by layer, as the reference."""
+    native_model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
+    reference_model = VisualTokenizer(NARROW, seed=0, backend="reference").eval()
+    for model in (native_model, reference_model):
+        model.stages[1].dw.stride = (1, 1)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    with torch.inference_mode():
+        tokens = native_model(images)
+        want = reference_model(images)
+    assert tokens.shape == want.shape == (2, 16, NARROW.embed_dim)  # a 4 x 4 grid: total stride 8
+    torch.testing.assert_close(tokens, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"stage 1's depthwise stride is \(1, 1\), not the config's 2"):
+        native_model.save_pretrained(tmp_path / "out")
+
+
 def test_a_convolution_without_bias_is_a_clear_error(native_ops):
     model = VisualTokenizer(NARROW, seed=0, backend="native").eval()
     model.stages[1].dw.bias = None

@@ -36,6 +36,8 @@ CONFIG_METADATA = "lumenbridge_config"
 # The model_type of integrations.hf's LumenBridgeVisionModel folders, which hold
 # the same two files with Hugging Face's config and key names.
 HF_MODEL_TYPE = "lumenbridge"
+# A tensor every VisualTokenizer has (a LumenBridgeVisionModel's is tokenizer.stages.0.dw.weight).
+FIRST_TENSOR = "stages.0.dw.weight"
 
 
 def save(model: VisualTokenizer, directory: str | Path) -> None:
@@ -148,10 +150,12 @@ def _config_from(path: Path, text: str, *, only_known_keys: bool = False) -> Tok
 def read_config(directory: str | Path) -> TokenizerConfig:
     weights = Path(directory) / WEIGHTS_NAME
     config_path = Path(directory) / CONFIG_NAME
+    tokenizer_weights = False  # named as a VisualTokenizer's tensors, not a LumenBridgeVisionModel's (tokenizer.*)
     if weights.is_file():
         try:
             with safetensors.safe_open(weights, "pt") as file:
                 stored = (file.metadata() or {}).get(CONFIG_METADATA)
+                tokenizer_weights = FIRST_TENSOR in file.keys()  # noqa: SIM118 - safe_open has no __contains__
         except safetensors.SafetensorError as error:
             raise _unreadable(weights, error) from error
         if stored is not None:
@@ -166,16 +170,17 @@ def read_config(directory: str | Path) -> TokenizerConfig:
                     "to load the weights with their own config"
                 )
             return config
+    # Weights saved before they carried the config: config.json alone says what they are.
     path = _require(config_path)
     text = _read_text(path)
     with contextlib.suppress(json.JSONDecodeError, AttributeError):
-        if json.loads(text).get("model_type") == HF_MODEL_TYPE:
+        if not tokenizer_weights and json.loads(text).get("model_type") == HF_MODEL_TYPE:
             raise ValueError(
                 f"{directory} holds a Hugging Face LumenBridgeVisionModel: load it with "
                 "LumenBridgeVisionModel.from_pretrained (lumenbridge.integrations.hf), or save its tokenizer "
                 "for VisualTokenizer with hf_model.tokenizer.save_pretrained(folder)"
             )
-    return _config_from(path, text)
+    return _config_from(path, text, only_known_keys=tokenizer_weights)
 
 
 def load_weights(model: VisualTokenizer, directory: str | Path) -> None:

@@ -266,8 +266,8 @@ class VisualTokenizer(nn.Module):
 
     def edited_module(self) -> str | None:
         """Which module no longer computes what the config says (an activation
-        or norm replaced, added or removed, an eps changed), or None. The native op takes the
-        architecture from the config, so such a model runs layer by layer."""
+        or norm replaced, added or removed, an eps changed, a depthwise stride changed), or None.
+        The native op takes the architecture from the config, so such a model runs layer by layer."""
         cfg = self.config
         act = self._modules["act"]
         if type(act) is not ACTIVATIONS[cfg.activation] or act.__dict__.get("approximate", "none") != "none":
@@ -278,6 +278,8 @@ class VisualTokenizer(nn.Module):
         for index, stage in enumerate(self._modules["stages"]):
             if not _is_config_stage_norm(stage.norm, cfg.stage_norm):
                 return f"stage {index}'s norm is {stage.norm!r}, not the config's {cfg.stage_norm!r}"
+            if stage.dw.stride != (cfg.strides[index],) * 2:
+                return f"stage {index}'s depthwise stride is {stage.dw.stride}, not the config's {cfg.strides[index]}"
         return None
 
     def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:

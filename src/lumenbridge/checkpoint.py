@@ -7,8 +7,9 @@ config.json (read by tools such as transformers' AutoConfig) must agree with
 it, so a save killed between the two renames, or an edited config.json, is
 refused rather than loaded as a model that other tools would build
 differently. config.json is written first: a save killed between the two
-leaves the previous weights whole, and deleting config.json loads them. Keys of config.json that are not TokenizerConfig fields
-(transformers' "model_type", say) are left to those tools.
+leaves the previous weights whole, and deleting config.json loads them. Keys
+of config.json that are not TokenizerConfig fields (transformers'
+"model_type", say) are left to those tools.
 
 Weights load in the floating-point dtype they were saved in."""
 

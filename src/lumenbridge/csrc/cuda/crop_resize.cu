@@ -3,7 +3,9 @@
 // image where it lies. The work is a few loads and multiplies a sample; what
 // this removes is the float canvas, the copy into it per image and the
 // conversions of the roi_align route.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstring>
@@ -43,7 +45,7 @@ void crop_resize(const std::vector<CropSource>& sources, int channels, int size,
   const auto tiles = static_cast<unsigned>((size + kTile - 1) / kTile);
   const dim3 grid(static_cast<unsigned>(count), tiles, tiles);
   const dim3 block(kTile, kTile);
-  crop_resize_kernel<<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+  crop_resize_kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const CropSource*>(on_device.const_data_ptr()), channels, size, out.mutable_data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

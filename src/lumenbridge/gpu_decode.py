@@ -9,8 +9,9 @@ the box, which antialiases a downscale: torchvision's roi_align with
 aligned boxes computes exactly that, and crop_resize_reference does it that
 way (a float canvas a group of images, a copy of each into it); the op
 torch.ops.lumenbridge.crop_resize reads each image where it lies and writes
-the uint8 batch in one kernel, the same bytes, and crop_resize takes it
-where the extension is built. Both run on the CPU as well (decode_jpeg and
+the uint8 batch in one kernel (on the CPU the bytes roi_align gives there,
+and on CUDA the same bytes as on the CPU), and crop_resize takes it where
+the extension is built. Both run on the CPU as well (decode_jpeg and
 roi_align have CPU kernels, and so has the op), which is how the tests
 check them without a GPU.
 
@@ -118,7 +119,7 @@ def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) ->
     """uint8 [3, H, W] images of any sizes -> uint8 [B, 3, image_size, image_size]:
     the shorter side scaled to `resize`, then the central square, in one
     resampling: the op where the extension serves the images' device, else
-    crop_resize_reference (the same bytes)."""
+    crop_resize_reference."""
     if not images:
         raise ValueError("crop_resize needs at least one image")
     device = images[0].device

@@ -11,7 +11,7 @@
 #   (a variant's step fails with rc 9 where racecheck reports hazards, rc 1
 #   where its sums are wrong)
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_PARTS picks
-#   sanitize_kernels.py's parts (default: depthwise fused backward), and
+#   sanitize_kernels.py's parts (default: depthwise fused backward crop), and
 #   RACECHECK_PARTS those of the slow racecheck (default: the same, less the
 #   backward, which racecheck cannot run: see below); BENCHES
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
@@ -55,7 +55,7 @@ if [[ $parts == *" tests "* ]]; then
 fi
 if [[ $parts == *" sanitize "* ]]; then
   # Only LumenBridge kernels are instrumented, which keeps the run short.
-  sanitize_parts=${SANITIZE_PARTS:-depthwise fused backward}
+  sanitize_parts=${SANITIZE_PARTS:-depthwise fused backward crop}
   # racecheck stops at the backward's first cuBLAS GEMM on the H200 ("failed
   # to handle a hardware exception"), even with only one LumenBridge kernel
   # instrumented (benchmarks/NOTES.md, twelfth session), so by default it

@@ -21,10 +21,11 @@ outputs). Last, the tokenize backward (composed over the depthwise kernels,
 in the tokenizer's channels-last shapes, 3-channel images included) on the
 same cases in bfloat16, with what tokenize_for_training saved and
 recomputing everything after tokenize.
---parts picks which of the three groups run
+Then crop_resize (the --decode gpu resize) over images of many sizes.
+--parts picks which of the four groups run
 (default: all), so a tool's report can be traced to one of them.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
-       [--parts depthwise fused backward]
+       [--parts depthwise fused backward crop]
 """
 
 import argparse
@@ -36,7 +37,7 @@ from lumenbridge import native
 from lumenbridge.config import KERNEL_SIZES
 from lumenbridge.testing import many_tile_cases, tokenize_cases
 
-PARTS = ("depthwise", "fused", "backward")
+PARTS = ("depthwise", "fused", "backward", "crop")
 parser = argparse.ArgumentParser()
 parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
 parts = parser.parse_args().parts
@@ -86,5 +87,16 @@ for case in tokenize_cases() if "backward" in parts else ():
     # parameters, a graph that one backward frees.
     ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
     ops.tokenize(*native.tokenize_arguments(images, model)).float().sum().backward()
+if "crop" in parts:
+    # crop_resize over images of many sizes (views among them), downscales with
+    # boxes at the edges and upscales: every read lies inside its image.
+    from lumenbridge.gpu_decode import crop_resize
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(300, 200), (64, 90), (37, 37), (20, 30), (1000, 700), (33, 700)]
+    pictures = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator).cuda() for w, h in sizes]
+    pictures.append(pictures[0].transpose(1, 2))
+    for resize in (37, 32, 90):
+        crop_resize(pictures, 32, resize)
 torch.cuda.synchronize()
 print("sanitize_kernels: ran", ", ".join(parts))

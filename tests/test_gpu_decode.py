@@ -5,11 +5,12 @@ so their logic is checked here without a GPU; the CUDA tests skip without one.""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
 import torch
-from conftest import import_or_skip
+from conftest import device_params, import_or_skip
 from PIL import Image, ImageOps
 
 from lumenbridge.images import preprocess, to_tensor
@@ -17,7 +18,7 @@ from lumenbridge.pipeline import SampleDataset
 from lumenbridge.sources import Sample
 
 torchvision = import_or_skip("torchvision")
-from lumenbridge.gpu_decode import crop_resize, decode_jpegs, orient, sampling_ratio
+from lumenbridge.gpu_decode import crop_boxes, crop_resize, crop_resize_reference, decode_jpegs, orient, sampling_ratio
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -67,6 +68,76 @@ def test_crop_resize_of_a_batch_equals_each_image_alone(resize):
     together = crop_resize(images, 32, resize)
     for position, image in enumerate(images):
         assert torch.equal(together[position], crop_resize([image], 32, resize)[0])
+
+
+def random_images(seed: int = 0) -> list[torch.Tensor]:
+    """Noise of many sizes (down- and upscales, boxes at the edges or with a
+    margin), one image a transposed view and one a crop of a larger one."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [(300, 200), (64, 90), (120, 120), (37, 37), (50, 40), (20, 30), (1000, 700), (33, 700), (31, 31)]
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for w, h in sizes]
+    return [*images, images[0].transpose(1, 2), images[6][:, 100:400, 50:600]]
+
+
+def crop_resize_op(images: list[torch.Tensor], image_size: int, resize: int) -> torch.Tensor:
+    boxes = crop_boxes(images, image_size, resize)
+    corners = [corner for box, _ in boxes for corner in box]
+    return torch.ops.lumenbridge.crop_resize(images, corners, [max(r, 1) for _, r in boxes], image_size)
+
+
+@pytest.mark.parametrize("resize", [37, 32, 90], ids=["margin", "box-at-the-edges", "upscales"])
+def test_the_op_writes_the_references_bytes(poisoned, resize):
+    images = random_images()
+    got = crop_resize_op(images, 32, resize)
+    want = crop_resize_reference(images, 32, resize)
+    assert got.shape == want.shape == (len(images), 3, 32, 32)
+    assert torch.equal(got, want), (got.int() - want.int()).abs().max()
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_crop_resize_takes_the_op_where_the_extension_serves_the_device(native_ops, device, monkeypatch):
+    images = [image.to(device) for image in random_images(1)[:4]]
+    calls = []
+    op = torch.ops.lumenbridge.crop_resize
+    monkeypatch.setattr(torch.ops.lumenbridge, "crop_resize", lambda *a: calls.append(a) or op(*a), raising=False)
+    got = crop_resize(images, 24, 28)
+    assert len(calls) == 1 and torch.equal(got, crop_resize_reference(images, 24, 28))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_the_op_on_cuda_writes_the_bytes_it_writes_on_the_cpu(poisoned, cuda_kernels):
+    images = random_images(2)
+    for resize in (37, 32, 90):
+        on_cpu = crop_resize_op(images, 32, resize)
+        on_gpu = crop_resize_op([image.cuda() for image in images], 32, resize)
+        assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), on_cpu)
+    with pytest.raises(RuntimeError, match=re.escape("LumenBridge: images[1] is on cpu but images[0] is on cuda:0")):
+        crop_resize_op([images[0].cuda(), images[1]], 32, 37)
+
+
+def test_the_op_refuses_bad_arguments(native_ops):
+    image = torch.zeros((3, 10, 12), dtype=torch.uint8)
+    op = native_ops.crop_resize
+    box = [0.0, 0.0, 10.0, 10.0]
+    cases = [
+        (([], [], [], 8), "needs at least one image"),
+        (([image.float()], box, [1], 8), "takes uint8 images; images[0] has dtype Float"),
+        (([image[0]], box, [1], 8), "shape [C, H, W]; images[0] has shape [10, 12]"),
+        (([image, image[:2]], box * 2, [1, 1], 8), "one channel count, 1 to 4; images[0] has 3 and images[1] has 2"),
+        (([image[:, :0]], box, [1], 8), "images[0] must have between 1 and"),
+        (([image], box[:3], [1], 8), "four box values an image, [x0, y0, x1, y1] each: 4 for 1 images, got 3"),
+        (([image], box, [], 8), "one sample count an image: 1, got 0"),
+        (([image], box, [1], 0), "size must be between 1 and 65535, got 0"),
+        (([image], [0.0, 0.0, 12.5, 10.0], [1], 8), "its size 12 x 10 (W x H), got [0, 0, 12.5, 10]"),
+        (([image], [3.0, 0.0, 3.0, 10.0], [1], 8), "box of image 0 must satisfy"),
+        (([image], [0.0, -1.0, 10.0, 9.0], [1], 8), "box of image 0 must satisfy"),
+        (([image], [0.0, 0.0, float("nan"), 9.0], [1], 8), "box of image 0 must satisfy"),
+        (([image], box, [0], 8), "sample count of image 0 must be between 1 and 4096, got 0"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(RuntimeError, match="LumenBridge: .*" + re.escape(message)):
+            op(*arguments)
 
 
 def test_sampling_ratio_spaces_samples_a_pixel_apart_where_the_margin_allows():

@@ -3,12 +3,17 @@
 decode_jpegs runs torchvision's batched nvJPEG decode (decode_jpeg with
 device="cuda"); crop_resize turns the decoded images, of any sizes, into one
 uint8 batch [B, 3, S, S] with the same geometry as the CPU path (shorter
-side to `resize`, central S x S crop: images.crop_box), through
-torchvision's roi_align. roi_align averages sampling_ratio x sampling_ratio
-bilinear samples per output pixel, which antialiases a downscale; images are
-grouped by their scale so each group's ratio keeps every sample inside its
-image. Both run on the CPU as well (decode_jpeg and roi_align have CPU
-kernels), which is how the tests check them without a GPU.
+side to `resize`, central S x S crop: images.crop_box). Each output pixel
+averages sampling_ratio x sampling_ratio bilinear samples of its share of
+the box, which antialiases a downscale: torchvision's roi_align with
+aligned boxes computes exactly that, and crop_resize_reference does it that
+way (a float canvas a group of images, a copy of each into it); the op
+torch.ops.lumenbridge.crop_resize reads each image where it lies and writes
+the uint8 batch in one kernel (on the CPU the bytes roi_align gives there,
+and on CUDA the same bytes as on the CPU), and crop_resize takes it where
+the extension is built. Both run on the CPU as well (decode_jpeg and
+roi_align have CPU kernels, and so has the op), which is how the tests
+check them without a GPU.
 
 nvJPEG's hardware decoder can write its output before work already queued
 on its stream has run (pytorch/vision#9606), so decode_jpegs first drains
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import extension
 from .images import crop_box
 
 # Larger JPEGs decode on the CPU (reduced-size decoding there is much cheaper
@@ -95,9 +101,40 @@ def sampling_ratio(scale: float, margin: float) -> int:
     return max(1, ratio)
 
 
+def crop_boxes(images: Sequence[torch.Tensor], image_size: int, resize: int) -> list[tuple[tuple[float, ...], int]]:
+    """Each image's box (images.crop_box) and samples an axis: 0 for an
+    upscale, whose single sample an output pixel may fall past the last
+    pixel's centre and takes the edge's value there."""
+    boxes = []
+    for image in images:
+        height, width = image.shape[-2:]
+        box = crop_box(width, height, resize, image_size)
+        scale = (box[2] - box[0]) / image_size
+        margin = min(width - box[2], height - box[3])
+        boxes.append((box, sampling_ratio(scale, margin) if scale >= 1 else 0))
+    return boxes
+
+
 def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) -> torch.Tensor:
     """uint8 [3, H, W] images of any sizes -> uint8 [B, 3, image_size, image_size]:
-    the shorter side scaled to `resize`, then the central square, in one resampling."""
+    the shorter side scaled to `resize`, then the central square, in one
+    resampling: the op where the extension serves the images' device, else
+    crop_resize_reference."""
+    if not images:
+        raise ValueError("crop_resize needs at least one image")
+    device = images[0].device
+    if not (extension.has_cuda_kernels() if device.type == "cuda" else extension.load()):
+        return crop_resize_reference(images, image_size, resize)
+    boxes = crop_boxes(images, image_size, resize)
+    corners = [corner for box, _ in boxes for corner in box]
+    return torch.ops.lumenbridge.crop_resize(list(images), corners, [max(ratio, 1) for _, ratio in boxes], image_size)
+
+
+def crop_resize_reference(images: Sequence[torch.Tensor], image_size: int, resize: int) -> torch.Tensor:
+    """crop_resize through torchvision's roi_align: images grouped by their
+    samples an axis into zero-filled float canvases (each group's ratio keeps
+    every sample inside its image), an upscale alone with its edges
+    replicated."""
     from torchvision.ops import roi_align
 
     if not images:
@@ -106,14 +143,9 @@ def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) ->
     out = torch.empty((len(images), 3, image_size, image_size), dtype=torch.uint8, device=device)
     boxes = []
     groups: dict[int, list[int]] = {}
-    for position, image in enumerate(images):
-        height, width = image.shape[-2:]
-        box = crop_box(width, height, resize, image_size)
+    for position, (box, ratio) in enumerate(crop_boxes(images, image_size, resize)):
         boxes.append(box)
-        scale = (box[2] - box[0]) / image_size
-        margin = min(width - box[2], height - box[3])
-        # 0: an upscale, resampled on its own with replicated edges.
-        groups.setdefault(sampling_ratio(scale, margin) if scale >= 1 else 0, []).append(position)
+        groups.setdefault(ratio, []).append(position)
 
     def finish(positions: list[int], result: torch.Tensor) -> None:
         index = _on(device, positions, torch.int64)

@@ -158,6 +158,10 @@ def _tokenize_backward_fake(
     )
 
 
+def _crop_resize_fake(images, boxes, ratios, size):
+    return images[0].new_empty((len(images), images[0].shape[0], size, size))
+
+
 def _no_double_backward(ctx, *grads):
     raise RuntimeError(
         "LumenBridge: lumenbridge::tokenize supports first-order gradients only (lumenbridge::tokenize_backward "
@@ -262,6 +266,7 @@ def register_python_kernels() -> None:
         ("tokenize", _tokenize_fake, ops._check_tokenize),
         ("tokenize_for_training", _tokenize_for_training_fake, ops._check_tokenize),
         ("tokenize_backward", _tokenize_backward_fake, None),
+        ("crop_resize", _crop_resize_fake, None),
     ):
         torch.library.register_fake(f"lumenbridge::{name}", _checked(fake, check))
     torch.library.register_autograd("lumenbridge::tokenize_backward", _no_double_backward)

@@ -605,7 +605,10 @@ std::string text(const at::Device& device) { return device.str(); }
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
                       at::MemoryFormat memory_format) {
   at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
-  if (poison_outputs.load()) out.fill_(std::numeric_limits<double>::quiet_NaN());
+  if (poison_outputs.load()) {
+    out.fill_(at::isFloatingType(out.scalar_type()) ? c10::Scalar(std::numeric_limits<double>::quiet_NaN())
+                                                    : c10::Scalar(int64_t{0x5A}));
+  }
   return out;
 }
 

@@ -62,7 +62,8 @@ at::TensorList as_list(const c10::optional<at::Tensor>& t);
 // Allocates a kernel output through ATen (so CUDA graphs and the caching
 // allocator see it). When poisoning is on (tests only, via the op
 // lumenbridge::_set_poison_outputs), floating outputs are filled with NaN
-// first, so an element the kernel fails to write shows up.
+// first (integer ones with a fixed byte), so an element the kernel fails to
+// write shows up.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
                       at::MemoryFormat memory_format);
 

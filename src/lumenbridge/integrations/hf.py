@@ -26,8 +26,9 @@ from ..config import TokenizerConfig
 from ..model import VisualTokenizer, pixel_statistics
 from . import tokenizer_config, with_size_advice
 
-# The architecture fields; the model always emits [B, N, D], so output_fmt is not one.
-ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(TokenizerConfig) if f.name != "output_fmt")
+# The TokenizerConfig fields the Hugging Face config records: all but output_fmt,
+# as the model there always emits [B, N, D].
+RECORDED_FIELDS = tuple(f.name for f in dataclasses.fields(TokenizerConfig) if f.name != "output_fmt")
 
 
 class LumenBridgeVisionConfig(PretrainedConfig):
@@ -49,7 +50,7 @@ class LumenBridgeVisionConfig(PretrainedConfig):
                     raise ValueError(f"{alias}={value!r} and {name}={kwargs[name]!r} name one field and disagree")
                 kwargs[name] = value
         defaults = TokenizerConfig().to_dict()
-        fields = {name: kwargs.pop(name, defaults[name]) for name in ARCHITECTURE_FIELDS}
+        fields = {name: kwargs.pop(name, defaults[name]) for name in RECORDED_FIELDS}
         TokenizerConfig(**fields)  # validates every field, naming the bad one
         # Lists, as config.json will hold them, so a loaded config equals the saved one.
         fields = {name: list(value) if isinstance(value, tuple) else value for name, value in fields.items()}
@@ -59,11 +60,11 @@ class LumenBridgeVisionConfig(PretrainedConfig):
 
     @classmethod
     def from_tokenizer_config(cls, config: TokenizerConfig, **kwargs) -> LumenBridgeVisionConfig:
-        return cls(**{name: getattr(config, name) for name in ARCHITECTURE_FIELDS}, **kwargs)
+        return cls(**{name: getattr(config, name) for name in RECORDED_FIELDS}, **kwargs)
 
     @property
     def tokenizer_config(self) -> TokenizerConfig:
-        return TokenizerConfig(**{name: getattr(self, name) for name in ARCHITECTURE_FIELDS})
+        return TokenizerConfig(**{name: getattr(self, name) for name in RECORDED_FIELDS})
 
 
 class LumenBridgeVisionModel(PreTrainedModel):

@@ -227,7 +227,7 @@ def prepare_output_dir(path: str, manifest: dict, *, overwrite: bool, allow_mixe
                 + "\n  ".join(differences)
                 + f"\n{hint}, or choose another folder"
             )
-    elif os.listdir(path) and not overwrite:
+    elif any(not _staging(path, name) for name in os.listdir(path)) and not overwrite:  # staging: in use
         raise OutputError(f"--out {path} holds shards but no {MANIFEST}; pass --overwrite to discard them")
     remove_run(path)
     write_atomically(os.path.join(path, MANIFEST), lambda staged: Path(staged).write_text(dumps(manifest) + "\n"))

@@ -12,7 +12,8 @@ overlapping the others:
 
 Host memory stays bounded: a few batches in flight between the stages and a
 few pinned token buffers, whatever the number of images (a shard's tokens go
-to disk as they are made, never held whole).
+to disk as they are made, never held whole, and the plan is read from files
+mapped into memory: plan.py).
 """
 
 from __future__ import annotations

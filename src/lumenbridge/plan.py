@@ -86,9 +86,9 @@ class _Numbers:
 
 
 class PlanWriter:
-    """Writes a plan's samples, in order, to the folder `path`: in a folder
-    named path + ".partial" until close() renames it, so that a plan folder
-    under its own name is always complete."""
+    """Writes a plan's samples, in order, to the folder `path` (as a context
+    manager): in a folder named path + ".partial" until it is complete and
+    renamed, so that a plan folder under its own name is always complete."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -129,17 +129,15 @@ class PlanWriter:
         for sample in samples:
             self.append(sample)
 
-    def close(self) -> None:
-        for file in (self._records, self._ends, self._strings):
-            file.close()
-        os.replace(self.partial, self.path)
-
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
+        """Closes the files and, unless the writing failed, gives the folder its name."""
+        for file in (self._records, self._ends, self._strings):
+            file.close()
         if kind is None:
-            self.close()
+            os.replace(self.partial, self.path)
 
 
 def write_plan(path: str | os.PathLike, samples: Iterable[Sample]) -> Plan:

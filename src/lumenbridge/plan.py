@@ -93,7 +93,7 @@ class PlanWriter:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self.partial = self.path + _PARTIAL
-        os.makedirs(self.partial)
+        os.mkdir(self.partial)  # not makedirs: a rank that does not see DIR must not make it
         self._records = _Numbers(os.path.join(self.partial, RECORDS))
         self._ends = _Numbers(os.path.join(self.partial, ENDS))
         self._strings = open(os.path.join(self.partial, STRINGS), "wb")  # noqa: SIM115 - closed in close()

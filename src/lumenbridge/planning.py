@@ -91,14 +91,15 @@ def make_plan(out: str, planned: Planned, group: Group, threads: int = 8) -> tup
             except OSError:  # the folder is not there: DIR is another folder on this rank's machine
                 sees = False
         check_seen_by_every_rank(out, sees, group)
-    made: list[Plan] = []
+    plan = None
 
-    def write() -> tuple[int, str]:
-        made.append(_assemble(folder, group.world))
-        return len(made[0]), plan_digest(made[0])
+    def write() -> tuple[int, str]:  # on rank 0, whose errors from_main raises on every rank
+        nonlocal plan
+        plan = _assemble(folder, group.world)
+        return len(plan), plan_digest(plan)
 
     samples, digest = group.from_main(write)
-    return (made[0] if made else None), samples, digest
+    return plan, samples, digest
 
 
 class _Listing:

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -14,7 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from lumenbridge import extension, native
+from lumenbridge import extension, native, planning
+from lumenbridge.distributed import Group
+from lumenbridge.plan import Plan
+from lumenbridge.sources import expand_inputs
 
 HAS_CUDA = torch.cuda.is_available()
 # Set by scripts/gpu_check.sh: there, a torch that sees no GPU would turn every
@@ -42,6 +46,14 @@ def save_image(path: Path, size=(20, 16), color=(200, 100, 50), mode="RGB") -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new(mode, size, color).save(path)
     return str(path)
+
+
+def plan_of(folder: Path, *paths) -> Plan:
+    """The plan of the paths, as a run of one process writes it in a new folder below `folder`."""
+    staging = tempfile.mkdtemp(dir=folder)
+    planned = planning.write_inputs(staging, expand_inputs([str(path) for path in paths]))
+    plan, _, _ = planning.make_plan(str(folder), planned, Group())
+    return plan
 
 
 def load_script(name: str, folder: str = "scripts") -> ModuleType:

@@ -734,13 +734,13 @@ def test_a_run_killed_at_any_point_resumes_to_the_same_bytes(tmp_path, dataset):
     assert done.returncode == 1, done.stderr  # the bad image is skipped
     expected_tree = tree(reference)
     assert len([name for name in expected_tree if name.endswith(".safetensors")]) == 8
-    for point in ("decode:2", "write:3", "commit:1", "after:0", "index:run"):
+    for point in ("plan:run", "decode:2", "write:3", "commit:1", "after:0", "index:run"):
         out = tmp_path / point.replace(":", "-")
         killed = run_cli([*common, "--workers", "2", "--out", out], **{pipeline.KILL_ENV: point})
         assert killed.returncode == -9, (point, killed.stderr)
         assert not (out / "index.jsonl").exists()
-        if point != "index:run":  # killed inside a shard: its staging folder is left
-            assert any(name.startswith(".lumenbridge-partial-") for name in os.listdir(out)), point
+        # Killed while planning or inside a shard: its staging folder is left (the plan's, at least).
+        assert any(name.startswith(".lumenbridge-partial-") for name in os.listdir(out)), point
         resumed = run_cli([*common, "--workers", "1", "--out", out])
         assert resumed.returncode == 1, (point, resumed.stderr)
         assert "already done" in resumed.stdout
@@ -876,6 +876,19 @@ def test_every_node_must_see_the_same_output_folder(tmp_path, images):
     assert "is not the same folder for every rank (not seeing the run that rank 0 prepared there: rank 1)" in stderr0
     assert os.listdir(homes[0] / "out") == ["lumenbridge.json"]  # refused before any shard was written
     assert not (homes[1] / "out").exists()
+
+
+def test_a_rank_that_cannot_list_its_tars_in_dir_fails_every_rank(tmp_path, images):
+    """With tars, every rank lists its share into DIR before the plan is made: one that does not see DIR says so."""
+    homes = [tmp_path / "node0", tmp_path / "node1"]
+    tars = [tmp_path / "a.tar", tmp_path / "b.tar"]
+    for tar in tars:
+        make_tar(tar, images[:2])
+    commands = static_nodes([*tars, "--out", "out", *FAST, "--shard-size", "5"])
+    (code0, _, stderr0), (code1, _, _) = run_nodes(commands, homes)
+    assert code0 != 0 and code1 != 0
+    assert "is not the same folder for every rank (not seeing the run that rank 0 prepared there: rank 1)" in stderr0
+    assert not (homes[0] / "out").exists() and not (homes[1] / "out").exists()
 
 
 def test_default_workers_share_the_cpus_this_process_may_use(monkeypatch):

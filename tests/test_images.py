@@ -246,4 +246,4 @@ def test_a_folder_that_cannot_be_read_is_named_not_skipped(tmp_path, monkeypatch
 
     monkeypatch.setattr(os, "scandir", refusing)
     with pytest.raises(ValueError, match=r"cannot read folder .*locked: Permission denied"):
-        images.images_in_folder(tmp_path)
+        list(images.images_in_folder(tmp_path))

@@ -9,10 +9,10 @@ import re
 import tarfile
 
 import pytest
-from conftest import import_or_skip, save_image
+from conftest import import_or_skip, plan_of, save_image
 
 from lumenbridge.images import MAX_IMAGE_BYTES, ImageTooLarge
-from lumenbridge.sources import Input, build_plan, expand_inputs, read_sample_bytes
+from lumenbridge.sources import expand_inputs, read_sample_bytes
 
 
 def found(*paths) -> list[str]:
@@ -117,7 +117,7 @@ def test_a_list_that_cannot_be_opened_is_named_in_its_error(tmp_path, monkeypatc
 
     monkeypatch.setattr("builtins.open", refusing)
     with pytest.raises(ValueError, match=r"cannot read file list .*files.txt: Permission denied"):
-        expand_inputs([str(listing)])
+        list(expand_inputs([str(listing)]))
 
 
 def test_a_bad_parquet_list_is_named_in_its_error(tmp_path):
@@ -150,10 +150,10 @@ def test_a_tar_written_again_is_read_anew_by_a_later_plan(tmp_path):
     of the open descriptors)."""
     path = tmp_path / "shard.tar"
     write_tar(path, b"A" * 100)
-    [sample] = build_plan([Input("tar", str(path))])
+    [sample] = plan_of(tmp_path, path)
     assert read_sample_bytes(sample) == b"A" * 100
     write_tar(path, b"B" * 100)
-    [sample] = build_plan([Input("tar", str(path))])
+    [sample] = plan_of(tmp_path, path)
     assert read_sample_bytes(sample) == b"B" * 100
 
 
@@ -199,7 +199,7 @@ def test_a_hard_link_member_reads_its_targets_bytes_and_a_symbolic_link_is_an_er
         add_member(tar, "d/c.jpg", type=tarfile.SYMTYPE, linkname="a.jpg")
         add_member(tar, "d/e.jpg", type=tarfile.LNKTYPE, linkname="d/later.jpg")
         add_member(tar, "d/f.jpg", type=tarfile.FIFOTYPE)
-    a, b, c, e, f = build_plan([Input("tar", str(path))])
+    a, b, c, e, f = plan_of(tmp_path, path)
     assert (b.key, b.member, b.error) == ("d/b", "d/b.jpg", None)
     assert read_sample_bytes(b) == read_sample_bytes(a) == b"JPEG bytes"
     assert (c.key, c.member, c.error) == (
@@ -220,7 +220,7 @@ def test_data_after_a_tars_end_is_an_error_naming_where(tmp_path):
             add_member(tar, f"{path.stem}.jpg", b"bytes")
     joined = tmp_path / "joined.tar"
     joined.write_bytes(first.read_bytes() + second.read_bytes())
-    a, after = build_plan([Input("tar", str(joined))])
+    a, after = plan_of(tmp_path, joined)
     assert a.key == "a" and a.error is None
     start = first.stat().st_size
     assert after.key == f"{joined}@{start}"
@@ -240,7 +240,7 @@ def test_a_file_or_member_over_the_byte_limit_is_refused_unread(tmp_path):
     with open(tmp_path / "huge.tar", "wb") as file:
         file.write(header.tobuf())
         file.truncate(tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE)
-    plan = build_plan([Input("file", str(huge)), Input("tar", str(tmp_path / "huge.tar"))])
+    plan = plan_of(tmp_path, huge, tmp_path / "huge.tar")
     assert [sample.error for sample in plan] == [None, None]
     for sample in plan:
         with pytest.raises(ImageTooLarge, match=f"^{size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}"):

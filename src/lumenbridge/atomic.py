@@ -56,10 +56,11 @@ def _locked(folder: str, wait: bool) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def staging_folder(directory: str | os.PathLike) -> Iterator[Path]:
-    """A new, locked staging folder in `directory`, removed with whatever is left in it on exit.
+def staging_folder(directory: str | os.PathLike, purpose: str = "") -> Iterator[Path]:
+    """A new, locked staging folder in `directory` (its name has `purpose`
+    after the prefix), removed with whatever is left in it on exit.
     Creating it is also the check that files can be written there."""
-    folder = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory)
+    folder = tempfile.mkdtemp(prefix=STAGING_PREFIX + purpose, dir=directory)
     try:
         with _locked(folder, wait=True):
             yield Path(folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ import stat
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,7 +282,7 @@ def named_files(paths: Sequence[str]) -> list[str]:
 def check_file_target(
     flag: str,
     path: str,
-    inputs: Sequence[str],
+    inputs: Iterable[str],
     overwrite: bool,
     ours: Callable[[str], bool],
     kind: str,
@@ -311,23 +312,24 @@ def check_output_path(path: str, inputs: Sequence[str], overwrite: bool) -> None
     check_file_target("--out", path, inputs, overwrite, is_tokens_file, "a LumenBridge tokens file")
 
 
-def expanded_inputs(paths: Sequence[str]) -> list:
-    """The inputs named on the command line (sources.Input), or the sample photos if none were."""
+def expanded_inputs(paths: Sequence[str]) -> Iterator:
+    """The inputs named on the command line (sources.Input), one at a time, or the sample photos if none were."""
     from lumenbridge.sources import Input, expand_inputs
 
     try:
         if paths:
-            return expand_inputs(paths)
+            yield from expand_inputs(paths)
+            return
         samples = sample_image_paths()
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from error
     print(f"no PATHS given: tokenizing the {len(samples)} sample photos bundled with scikit-image", file=sys.stderr)
-    return [Input("file", path) for path in samples]
+    yield from (Input("file", path) for path in samples)
 
 
 def input_paths(paths: Sequence[str]) -> list[str]:
     """The image files named on the command line (list files expanded), for single-file output."""
-    inputs = expanded_inputs(paths)
+    inputs = list(expanded_inputs(paths))
     tars = [item.path for item in inputs if item.kind == "tar"]
     if tars:
         raise UsageError(f"WebDataset tar inputs ({tars[0]}) need sharded output: --out DIR")
@@ -555,7 +557,12 @@ def check_gpu_decode(device: torch.device) -> None:
 
 def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
     """tokenize --out DIR: sharded, resumable, on one process or every torchrun rank."""
-    from lumenbridge import pipeline, shards
+    with contextlib.ExitStack() as held:  # rank 0's folder of the plan, in DIR for the whole run
+        return tokenize_sharded(args, group, held)
+
+
+def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack) -> int:
+    from lumenbridge import pipeline, planning, shards
     from lumenbridge.distributed import rank_device
 
     created = not os.path.exists(args.out)
@@ -568,6 +575,7 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
             print(f"lumenbridge: error (rank {group.rank}): {error}", file=sys.stderr)
         elif group.main:
             print(f"lumenbridge: error: {error}", file=sys.stderr)
+        held.close()
         if group.main and created:
             with contextlib.suppress(OSError):
                 os.rmdir(args.out)  # only if still empty: nothing of a run was written yet
@@ -578,16 +586,21 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
         check_common(args)
         if args.max_tokens is not None:
             raise UsageError("--max-tokens writes one file (--out FILE.safetensors); sharded output takes square crops")
-        inputs = group.from_main(lambda: expanded_inputs(args.paths))
 
-        def check_out() -> None:
-            if args.report is not None:
-                own = [*(item.path for item in inputs), *named_files(args.paths)]
-                check_report_path(args.report, args.out, own, args.overwrite)
+        def plan_inputs() -> planning.Planned:
+            """Expands the inputs into the plan's folder in DIR, made here, checked first."""
             shards.create_output_dir(args.out)
             shards.check_output_dir(args.out)
+            with contextlib.ExitStack() as folder_held:
+                folder = str(folder_held.enter_context(staging_folder(args.out, planning.FOLDER_PURPOSE)))
+                planned = planning.write_inputs(folder, expanded_inputs(args.paths))
+                if args.report is not None:
+                    own = itertools.chain((item.path for item in planning.read_inputs(folder)), named_files(args.paths))
+                    check_report_path(args.report, args.out, own, args.overwrite)
+                held.enter_context(folder_held.pop_all())
+            return planned
 
-        group.from_main(check_out)
+        planned = group.from_main(plan_inputs)
     except (UsageError, OutputError) as error:
         return fail(error)
     try:
@@ -622,7 +635,7 @@ def run_tokenize_sharded(args: argparse.Namespace, group) -> int:
     try:
         result = pipeline.run(
             model,
-            inputs,
+            planned,
             options,
             weights=weights,
             digest=digest,
@@ -738,7 +751,7 @@ def is_report_file(path: str) -> bool:
     return isinstance(report, dict) and {"images", "shards", "images_per_second"} <= report.keys()
 
 
-def check_report_path(report: str, out: str, inputs: Sequence[str], overwrite: bool) -> None:
+def check_report_path(report: str, out: str, inputs: Iterable[str], overwrite: bool) -> None:
     """--report must name a file that can be written (as check_file_target
     judges it), outside DIR (where the next run of the same command would
     take it for a foreign file)."""

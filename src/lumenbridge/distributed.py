@@ -1,6 +1,6 @@
 """The torchrun side of a sharded run: rank and world size from the
 environment torchrun sets, a gloo process group for the few small messages
-the ranks exchange (the plan's tar listings, rank 0's list of shards to do)
+the ranks exchange (the plan's name, size and digest, rank 0's list of shards to do)
 and the end-of-run barrier, and its key-value store for progress and stats.
 
 Nothing here moves tokens: every rank writes its own shards to the shared
@@ -75,17 +75,6 @@ class Group:
         gathered = [None] * self.world
         dist.all_gather_object(gathered, value)
         return gathered
-
-    def share_work(self, items: list, work: Callable[[list], list]) -> list:
-        """work(items) as one list in order, each rank doing items[rank::world]."""
-        if not self.distributed:
-            return work(items)
-        mine = work(items[self.rank :: self.world])
-        pieces = self.all_gather(mine)
-        result = [None] * len(items)
-        for rank, piece in enumerate(pieces):
-            result[rank :: self.world] = piece
-        return result
 
     # Progress and the ranks' stats go through the store; the end of the run is a barrier.
 

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -107,32 +107,36 @@ def is_image_file(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() in IMAGE_EXTENSIONS
 
 
-def images_in_folder(folder: str | os.PathLike) -> list[str]:
-    """All image files below a folder, recursively, in sorted order, skipping
-    hidden ones. Links to folders are followed, each folder once (so a link
-    back up the tree is no loop); where two paths reach one folder, the first
-    in sorted order is kept. A folder that cannot be read is an error (its
-    images would otherwise be left out unsaid)."""
+def images_in_folder(folder: str | os.PathLike) -> Iterator[str]:
+    """All image files below a folder, recursively, in sorted order (as a
+    path's parts sort), skipping hidden ones, found one folder at a time:
+    a folder tree of millions of images is never listed whole. Links to
+    folders are followed, each folder once (so a link back up the tree is no
+    loop); where two paths reach one folder, the first in sorted order is
+    kept. A folder that cannot be read is an error (its images would
+    otherwise be left out unsaid)."""
+    yield from _images_below(os.fspath(folder), set())
 
-    def unreadable(error: OSError):
+
+def _images_below(folder: str, visited: set[str]) -> Iterator[str]:
+    real = os.path.realpath(folder)
+    if real in visited:
+        return
+    visited.add(real)  # a few tens of bytes a folder, not an image
+    try:
+        with os.scandir(folder) as listing:
+            entries = sorted((entry.name, entry.is_dir()) for entry in listing)
+    except OSError as error:
         raise ValueError(f"cannot read folder {error.filename}: {error.strerror}") from error
-
-    found = []
-    visited = set()
-    for root, folders, files in os.walk(folder, onerror=unreadable, followlinks=True):
-        folders.sort()
-        real = os.path.realpath(root)
-        if real in visited:
-            folders.clear()
-            continue
-        visited.add(real)
+    for name, is_folder in entries:
         # Hidden entries (".name", such as macOS "._IMG_1.jpg" metadata files) are not images.
-        folders[:] = [name for name in folders if not name.startswith(".")]
-        for name in files:
-            path = os.path.join(root, name)
-            if not name.startswith(".") and is_image_file(name) and os.path.isfile(path):
-                found.append(path)
-    return sorted(found, key=lambda path: Path(path).parts)
+        if name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        if is_folder:
+            yield from _images_below(path, visited)
+        elif is_image_file(name) and os.path.isfile(path):
+            yield path
 
 
 def sample_image_paths() -> list[str]:

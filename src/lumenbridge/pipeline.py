@@ -12,7 +12,8 @@ overlapping the others:
 
 Host memory stays bounded: a few batches in flight between the stages and a
 few pinned token buffers, whatever the number of images (a shard's tokens go
-to disk as they are made, never held whole).
+to disk as they are made, never held whole, and the plan is read from files
+mapped into memory: plan.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from . import shards
+from . import planning, shards
 from .distributed import Group
 from .images import (
     DEFAULT_MAX_PIXELS,
@@ -46,6 +47,7 @@ from .images import (
     open_image,
     preprocess,
 )
+from .plan import Plan
 from .sources import Sample, read_sample_bytes
 
 KILL_ENV = "LUMENBRIDGE_TEST_KILL"  # tests only: "point:shard", see _maybe_kill
@@ -745,7 +747,7 @@ def build_manifest(inputs: dict, count: int, options: Options, model, weights: s
 
 def run(
     model,
-    inputs,
+    planned: planning.Planned,
     options: Options,
     *,
     weights: str,
@@ -754,24 +756,23 @@ def run(
     allow_mixed: bool,
     group: Group,
 ) -> RunResult:
-    """Plans the inputs, checks or starts DIR, tokenizes this rank's share of the
-    missing shards and, on rank 0, waits for every rank and writes the index.
-    `digest` is weights_digest of the weights as loaded, before the cast to
-    options.dtype (which the manifest records apart)."""
+    """Plans the inputs (that rank 0 expanded: `planned`), checks or starts DIR,
+    tokenizes this rank's share of the missing shards and, on rank 0, waits
+    for every rank and writes the index. `digest` is weights_digest of the
+    weights as loaded, before the cast to options.dtype (which the manifest
+    records apart)."""
     import hashlib
     import json
 
-    from .sources import build_plan, plan_digest, scan_tars, stamps_digest
-
     started = time.perf_counter()
-    plan = build_plan(inputs, scan=lambda tars: group.share_work(tars, scan_tars))
-    if not plan:  # files and folders always add samples: every input is an empty tar
+    _maybe_kill("plan", "run")  # the inputs expanded into DIR, the plan not yet written
+    plan, samples, plan_digest = planning.make_plan(options.out, planned, group)
+    if not samples:  # files and folders always add samples: every input is an empty tar
         raise shards.OutputError("the inputs hold no sample: every tar named is empty")
     check_ranks_agree(execution_settings(options), allow_mixed, group)
-    count = shards.shard_count(len(plan), options.shard_size)
+    count = shards.shard_count(samples, options.shard_size)
     # The files' stamps as rank 0 sees them (it listed the inputs), the same on every rank.
-    stamps = group.from_main(lambda: stamps_digest(inputs))
-    recorded = {"samples": len(plan), "digest": plan_digest(plan), "stamps": stamps}
+    recorded = {"samples": samples, "digest": plan_digest, "stamps": planned.stamps}
     manifest = build_manifest(recorded, count, options, model, weights, digest)
     content = {key: manifest[key] for key in ("version", "inputs", "settings")}
     content["model"] = shards.decisive_model(manifest["model"])
@@ -787,6 +788,8 @@ def run(
 
         pending, stored = group.from_main(prepare)
         check_every_rank_sees(options.out, stored, group)
+        if plan is None:  # the other ranks map rank 0's plan once they are known to see DIR
+            plan = Plan(planning.plan_folder(options.out, planned))
         mine = pending[group.rank :: group.world]
 
         def images_in(shard: int) -> int:
@@ -868,9 +871,7 @@ def check_ranks_agree(settings: dict, allow_mixed: bool, group: Group) -> None:
 
 
 def check_every_rank_sees(out: str, stored: dict, group: Group) -> None:
-    """Fails every rank, before any work, unless each finds in DIR the manifest that
-    rank 0 left there: on machines that do not share DIR (or resolve a relative --out
-    in other working folders) the shards would be scattered between folders."""
+    """Fails every rank, before any work, unless each finds in DIR the manifest that rank 0 left there."""
 
     def sees() -> bool:
         try:
@@ -878,13 +879,7 @@ def check_every_rank_sees(out: str, stored: dict, group: Group) -> None:
         except (OSError, ValueError):
             return False
 
-    blind = [rank for rank, seen in enumerate(group.all_gather(sees())) if not seen]
-    if blind:
-        raise shards.OutputError(
-            f"--out {out} is not the same folder for every rank (not seeing the run that rank 0 prepared there: "
-            f"rank {', '.join(map(str, blind))}); on several machines DIR must be on a file system that all of "
-            "them see, at the same path"
-        )
+    planning.check_seen_by_every_rank(out, sees(), group)
 
 
 def row_shape_of(directory: str, count: int) -> list[int]:

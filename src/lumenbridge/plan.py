@@ -1,21 +1,35 @@
-"""The plan of a sharded run held compactly: every rank keeps all of it, and
-so does every DataLoader worker it forks, so a list of Sample tuples (about
-290 bytes an image) bounded how many images one run could take. A Plan keeps
-the same samples in flat arrays and one buffer of text (about 45 bytes a tar
-sample) and makes each Sample when asked for it; arrays, unlike tuples of
-objects, are not touched by reference counting, so the forked workers share
-their pages instead of copying them.
+"""The plan of a sharded run, kept in files and memory-mapped: every rank
+reads it, and so does every DataLoader worker it starts, so held in Python
+objects it bounded how many images one run could take (a list of Sample
+tuples held about 290 bytes an image, flat arrays still 45 bytes a tar
+sample on every rank). In files, written as it is made and mapped read-only,
+it costs each process only the pages it touches, which the kernel can drop
+and read again: the memory of a run no longer grows with its images.
+
+A plan is a folder of three files, arrays of the machine's int64 and bytes:
+
+    records  five numbers a sample: its text, its source (or -1: the key is
+             the source, an image file), offset, size, its error (or -1)
+    strings  the texts, encoded one after the other
+    ends     where each text ends in strings
+
+Texts are numbered in the order they are written: a sample's key and member
+(see _text), a source where it changes (a tar's samples share one), an error.
 """
 
 from __future__ import annotations
 
-import sys
+import mmap
+import os
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
-_SAME = -1  # a source index meaning "the source is the key" (an image file)
+_NONE = -1  # a record's source (the key is the source) or error (none) that has no text
 _ENCODING = ("utf-8", "surrogatepass")  # any str, names read with surrogateescape included
+_FIELDS = 5  # numbers in a record
+RECORDS, STRINGS, ENDS = "records", "strings", "ends"
+_PARTIAL = ".partial"  # a plan folder's name while it is written
 
 
 class Sample(NamedTuple):
@@ -50,78 +64,130 @@ def _key_and_member(text: str) -> tuple[str, str | None]:
     return key, rest[1:] if rest.startswith("\0") else key + rest
 
 
-class Plan(Sequence[Sample]):
-    """The samples of a plan, in order, appended one at a time: plan[i] is the
-    Sample appended i-th. Sources are kept once each, errors (rare) by index."""
+class _Numbers:
+    """int64s appended to a file, written a block at a time."""
 
-    def __init__(self, samples: Iterable[Sample] = ()) -> None:
-        self._sources: list[str] = []
-        self._source_numbers: dict[str, int] = {}
-        self._source = array("i")  # index into _sources, or _SAME
-        self._offset = array("q")
-        self._size = array("q")
-        self._text = bytearray()  # each sample's _text, encoded
-        self._ends = array("q")  # where each sample's text ends in _text
-        self._errors: dict[int, str] = {}
-        self.extend(samples)
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.buffer = array("q")
 
-    def _number(self, source: str) -> int:
-        """The index of a source in _sources, added there if new."""
-        number = self._source_numbers.setdefault(source, len(self._sources))
-        if number == len(self._sources):
-            self._sources.append(source)
-        return number
+    def extend(self, numbers: Iterable[int]) -> None:
+        self.buffer.extend(numbers)
+        if len(self.buffer) >= 1 << 13:
+            self.flush()
+
+    def flush(self) -> None:
+        self.buffer.tofile(self.file)
+        del self.buffer[:]
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+class PlanWriter:
+    """Writes a plan's samples, in order, to the folder `path` (as a context
+    manager): in a folder named path + ".partial" until it is complete and
+    renamed, so that a plan folder under its own name is always complete."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.partial = self.path + _PARTIAL
+        os.mkdir(self.partial)  # not makedirs: a rank that does not see DIR must not make it
+        self._records = _Numbers(os.path.join(self.partial, RECORDS))
+        self._ends = _Numbers(os.path.join(self.partial, ENDS))
+        self._strings = open(os.path.join(self.partial, STRINGS), "wb")  # noqa: SIM115 - closed in close()
+        self._end = 0  # of the strings written
+        self._texts = 0
+        self._source = (None, _NONE)  # the last source written, and its number
+        self.samples = 0
+
+    def _write(self, text: str) -> int:
+        """Writes a text; returns its number."""
+        data = text.encode(*_ENCODING)
+        self._strings.write(data)
+        self._end += len(data)
+        self._ends.extend((self._end,))
+        self._texts += 1
+        return self._texts - 1
+
+    def _source_number(self, sample: Sample) -> int:
+        if sample.source == sample.key:
+            return _NONE
+        if self._source[0] != sample.source:  # a tar's samples follow one another: written once for them all
+            self._source = (sample.source, self._write(sample.source))
+        return self._source[1]
 
     def append(self, sample: Sample) -> None:
-        source = _SAME if sample.source == sample.key else self._number(sample.source)
-        if sample.error is not None:
-            self._errors[len(self)] = sample.error
-        self._text += _text(sample).encode(*_ENCODING)
-        self._ends.append(len(self._text))
-        self._source.append(source)
-        self._offset.append(sample.offset)
-        self._size.append(sample.size)
+        text = self._write(_text(sample))
+        source = self._source_number(sample)
+        error = _NONE if sample.error is None else self._write(sample.error)
+        self._records.extend((text, source, sample.offset, sample.size, error))
+        self.samples += 1
 
     def extend(self, samples: Iterable[Sample]) -> None:
-        if isinstance(samples, Plan):
-            self._extend_arrays(samples)
-            return
         for sample in samples:
             self.append(sample)
 
-    def _extend_arrays(self, other: Plan) -> None:
-        """Appends another plan's samples from its arrays, without making them."""
-        numbers = [self._number(source) for source in other._sources]
-        self._errors.update({len(self) + index: error for index, error in other._errors.items()})
-        start = len(self._text)
-        self._text += other._text
-        self._ends.extend(array("q", (start + end for end in other._ends)))
-        self._source.extend(array("i", (_SAME if number == _SAME else numbers[number] for number in other._source)))
-        self._offset.extend(other._offset)
-        self._size.extend(other._size)
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        """Closes the files and, unless the writing failed, gives the folder its name."""
+        for file in (self._records, self._ends, self._strings):
+            file.close()
+        if kind is None:
+            os.replace(self.partial, self.path)
+
+
+def write_plan(path: str | os.PathLike, samples: Iterable[Sample]) -> Plan:
+    """The plan of `samples`, written to the folder `path`."""
+    with PlanWriter(path) as writer:
+        writer.extend(samples)
+    return Plan(path)
+
+
+def _map(path: str, format: str) -> memoryview:
+    """A file's bytes, mapped read-only, as a memoryview of `format` items."""
+    with open(path, "rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:  # an empty file cannot be mapped
+            return memoryview(b"").cast(format)
+        return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)).cast(format)
+
+
+class Plan(Sequence[Sample]):
+    """The plan in the folder `path`, mapped: plan[i] is the Sample written
+    i-th, made when asked for. A pickled Plan is its path: a process that
+    unpickles it (a worker started by forkserver or spawn) maps the files anew."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.path.abspath(path)
+        self._records = _map(os.path.join(self.path, RECORDS), "q")
+        self._strings = _map(os.path.join(self.path, STRINGS), "B")
+        self._ends = _map(os.path.join(self.path, ENDS), "q")
+
+    def __reduce__(self):
+        return Plan, (self.path,)
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self._records) // _FIELDS
+
+    def _text(self, number: int) -> str:
+        start = self._ends[number - 1] if number else 0
+        return str(self._strings[start : self._ends[number]], *_ENCODING)
 
     def __getitem__(self, index: int) -> Sample:
         index = range(len(self))[index]  # IndexError, and negative indices, as a list has them
-        start = self._ends[index - 1] if index else 0
-        key, member = _key_and_member(self._text[start : self._ends[index]].decode(*_ENCODING))
-        source = self._source[index]
+        text, source, offset, size, error = self._records[_FIELDS * index : _FIELDS * (index + 1)].tolist()
+        key, member = _key_and_member(self._text(text))
         return Sample(
             key,
-            key if source == _SAME else self._sources[source],
+            key if source == _NONE else self._text(source),
             member,
-            self._offset[index],
-            self._size[index],
-            self._errors.get(index),
+            offset,
+            size,
+            None if error == _NONE else self._text(error),
         )
 
-    @property
-    def nbytes(self) -> int:
-        """The memory it holds, but for the few error texts."""
-        arrays = (self._source, self._offset, self._size, self._text, self._ends, self._sources, self._source_numbers)
-        return sum(sys.getsizeof(each) for each in arrays) + sum(sys.getsizeof(each) for each in self._sources)
 
-
-__all__ = ["Plan", "Sample"]
+__all__ = ["Plan", "PlanWriter", "Sample", "write_plan"]

@@ -10,6 +10,7 @@ Layout of an output folder DIR:
     parts/tokens-00000-of-00012.errors.jsonl   that shard's skipped samples
     index.jsonl                        every shard's index lines, in order (written last: the run is complete)
     errors.jsonl                       every skipped sample with the reason
+    .lumenbridge-partial-plan-*/       while the run runs: its plan, which every rank maps (planning.py)
 
 Shard s holds the readable images among plan samples [s * shard_size, (s + 1) * shard_size),
 in plan order; a shard's content depends only on the plan and the settings,
@@ -227,7 +228,7 @@ def prepare_output_dir(path: str, manifest: dict, *, overwrite: bool, allow_mixe
                 + "\n  ".join(differences)
                 + f"\n{hint}, or choose another folder"
             )
-    elif os.listdir(path) and not overwrite:
+    elif any(not _staging(path, name) for name in os.listdir(path)) and not overwrite:  # staging: in use
         raise OutputError(f"--out {path} holds shards but no {MANIFEST}; pass --overwrite to discard them")
     remove_run(path)
     write_atomically(os.path.join(path, MANIFEST), lambda staged: Path(staged).write_text(dumps(manifest) + "\n"))

@@ -1,12 +1,13 @@
 """Where the images of a sharded run come from: image files, folders, globs,
 brace patterns, WebDataset tar shards, and text or parquet file lists,
-expanded into one ordered list of samples (the plan).
+expanded one at a time into the ordered samples of the plan (planning.py
+writes it).
 
 Every sample has a key (an image file's absolute path, or a tar sample's
 WebDataset key), its source (the file or the tar) and, in a tar, the byte
 range of its image member, so that a DataLoader worker reads just those
-bytes. The plan is a pure function of the inputs: every rank of a torchrun
-job, and every resumed run, computes the same one, and its digest, with
+bytes. The plan is a pure function of the inputs: every resumed run, with
+any number of ranks, computes the same one, and its digest, with
 stamps_digest of the input files' sizes and modification times, is what
 tells a resumed run that it continues the same work on the same files.
 
@@ -20,19 +21,21 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 import posixpath
 import re
+import sqlite3
 import tarfile
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 from .images import IMAGE_EXTENSIONS, check_byte_count, images_in_folder, is_image_file
-from .plan import Plan, Sample
+from .plan import Sample
 
 TAR_SUFFIXES = (".tar",)
 COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
@@ -104,7 +107,8 @@ def _suffix(path: str) -> str:
     for suffix in COMPRESSED_TAR_SUFFIXES:
         if name.endswith(suffix):
             return suffix
-    return Path(name).suffix
+    dot = name.rfind(".")  # as Path(name).suffix, without making a Path of each of millions of names
+    return name[dot:] if 0 < dot < len(name) - 1 else ""
 
 
 def _classify(path: str) -> str:
@@ -124,22 +128,26 @@ def _classify(path: str) -> str:
     return "file"
 
 
-def read_text_list(path: str) -> list[str]:
-    """The entries of a text file list: one path a line; blank lines and lines
-    starting with # are skipped; relative paths are taken from the list's folder."""
+def read_text_list(path: str) -> Iterator[str]:
+    """The entries of a text file list, read as they are needed: one path a
+    line; blank lines and lines starting with # are skipped; relative paths
+    are taken from the list's folder."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         with open(path, encoding="utf-8-sig") as file:  # -sig: a byte-order mark is not part of the first path
-            lines = [line.strip() for line in file]
+            for line in file:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    yield os.path.join(folder, line)
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: a file list must be UTF-8 text ({error})") from error
     except OSError as error:
         raise ValueError(f"cannot read file list {path}: {error.strerror}") from error
-    return [os.path.join(folder, line) for line in lines if line and not line.startswith("#")]
 
 
-def read_parquet_list(path: str) -> list[str]:
-    """The entries of a parquet file list: its column "path" (relative paths from the file's folder)."""
+def read_parquet_list(path: str) -> Iterator[str]:
+    """The entries of a parquet file list: its column "path" (relative paths
+    from the file's folder), read a batch of rows at a time."""
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as error:
@@ -159,40 +167,42 @@ def read_parquet_list(path: str) -> list[str]:
         )
         if not any(test is not None and test(values) for test in strings):
             raise ValueError(f"its column {PARQUET_PATH_COLUMN!r} must hold strings, not {kind}")
-        column = pq.read_table(path, columns=[PARQUET_PATH_COLUMN]).column(0).to_pylist()
+        folder = os.path.dirname(os.path.abspath(path))
+        for batch in pq.ParquetFile(path).iter_batches(columns=[PARQUET_PATH_COLUMN]):
+            yield from (os.path.join(folder, entry) for entry in batch.column(0).to_pylist() if entry)
     except (pyarrow.ArrowException, ValueError, OSError) as error:
         raise ValueError(f"{path}: cannot read it as a parquet file list: {error}") from error
-    folder = os.path.dirname(os.path.abspath(path))
-    return [os.path.join(folder, entry) for entry in column if entry]
 
 
-def _list_entries(path: str, kind: str) -> list[Input]:
+def _list_entries(path: str, kind: str) -> Iterator[Input]:
     entries = read_text_list(path) if kind == "list" else read_parquet_list(path)
-    inputs = []
     for entry in entries:
         # Entries are not checked here (a list can name millions of files): one
         # that is missing fails when it is read, and is named in the errors file.
-        inputs.append(Input("tar" if _classify(entry) == "tar" else "file", os.path.abspath(entry)))
-    return inputs
+        yield Input("tar" if _classify(entry) == "tar" else "file", os.path.abspath(entry))
+
+
+_KNOWN_FOLDERS = 1 << 16  # real paths of folders remembered at most, a few MB
 
 
 def _real_path(path: str, known: dict[str, str]) -> str:
-    """os.path.realpath(path), remembered in `known` with each folder's (a
-    glob's or a folder's files share few folders, and expand_inputs asks
-    again of each match): a file costs one lstat, not one a component."""
-    if path not in known:
-        folder, name = os.path.split(path)
-        if folder not in known:
-            known[folder] = os.path.realpath(folder)
-        resolved = os.path.join(known[folder], name)
-        known[path] = os.path.realpath(resolved) if os.path.islink(resolved) else resolved
-    return known[path]
+    """os.path.realpath(path), with each folder's remembered in `known` (a
+    glob's or a folder's files share few folders): a file costs one lstat,
+    not one a component."""
+    folder, name = os.path.split(path)
+    if folder not in known:
+        if len(known) >= _KNOWN_FOLDERS:
+            known.clear()
+        known[folder] = os.path.realpath(folder)
+    resolved = os.path.join(known[folder], name)
+    return os.path.realpath(resolved) if os.path.islink(resolved) else resolved
 
 
 def _shortest_path_to_each(paths: Iterable[str], known: dict[str, str]) -> list[str]:
     """Sorted paths, one to each file or folder: a recursive glob follows
     links to folders, up the tree too, and reaches the same file by ever
-    longer paths; the one of fewest parts is kept."""
+    longer paths; the one of fewest parts is kept. (A glob's matches are
+    held in memory to sort them: give a folder or a file list for millions.)"""
     shortest: dict[str, str] = {}
     for path in sorted(paths):
         real = os.path.normcase(_real_path(path, known))
@@ -201,19 +211,21 @@ def _shortest_path_to_each(paths: Iterable[str], known: dict[str, str]) -> list[
     return sorted(shortest.values())
 
 
-def _expand_one(path: str, known: dict[str, str]) -> list[Input]:
+def _expand_one(path: str, known: dict[str, str]) -> Iterator[Input]:
     if os.path.isfile(path):
         kind = _classify(path)
         if kind in ("list", "parquet"):
-            return _list_entries(path, kind)
-        return [Input(kind, os.path.abspath(path))]
-    if os.path.isdir(path):
-        return [Input("file", os.path.abspath(image)) for image in images_in_folder(path)]
-    if has_braces(path):
-        expanded = []
+            yield from _list_entries(path, kind)
+        else:
+            yield Input(kind, os.path.abspath(path))
+    elif os.path.isdir(path):
+        yield from (Input("file", os.path.abspath(image)) for image in images_in_folder(path))
+    elif has_braces(path):
         for each in expand_braces(path):
-            matches = _expand_one(each, known)
-            if not matches:
+            found = 0
+            for found, match in enumerate(_expand_one(each, known), 1):
+                yield match
+            if not found:
                 problem = (
                     "has no image files"
                     if os.path.exists(each)
@@ -222,48 +234,66 @@ def _expand_one(path: str, known: dict[str, str]) -> list[Input]:
                     else "does not exist"
                 )
                 raise FileNotFoundError(f"{each!r} (from {path!r}) {problem}")
-            expanded.extend(matches)
-        return expanded
-    if not _GLOB_CHARACTERS.intersection(path):
-        return []
-    matches = []
-    for match in _shortest_path_to_each(glob.glob(path, recursive=True), known):
-        if os.path.isdir(match):
-            matches.extend(Input("file", os.path.abspath(image)) for image in images_in_folder(match))
-        elif is_image_file(match):
-            matches.append(Input("file", os.path.abspath(match)))
-        elif _suffix(match) in TAR_SUFFIXES:
-            matches.append(Input("tar", os.path.abspath(match)))
-    return matches
+    elif _GLOB_CHARACTERS.intersection(path):
+        for match in _shortest_path_to_each(glob.glob(path, recursive=True), known):
+            if os.path.isdir(match):
+                yield from (Input("file", os.path.abspath(image)) for image in images_in_folder(match))
+            elif is_image_file(match):
+                yield Input("file", os.path.abspath(match))
+            elif _suffix(match) in TAR_SUFFIXES:
+                yield Input("tar", os.path.abspath(match))
 
 
-def expand_inputs(paths: Sequence[str]) -> list[Input]:
+class _Seen:
+    """The names of the inputs met so far, in a private temporary database
+    (sqlite keeps a few MB of it in memory and the rest in a file of the
+    temporary folder, removed when it closes): a set of every path of a run
+    would grow with its images."""
+
+    def __init__(self) -> None:
+        self.database = sqlite3.connect("")
+        self.database.execute("CREATE TABLE seen (name BLOB PRIMARY KEY) WITHOUT ROWID")
+
+    def add(self, names: Iterable[tuple[str, str]]) -> bool:
+        """Adds the names (kind, path); whether none of them was there before."""
+        new = True
+        for kind, path in names:
+            name = f"{kind}\0{path}".encode("utf-8", "surrogatepass")
+            new &= self.database.execute("INSERT OR IGNORE INTO seen VALUES (?)", (name,)).rowcount == 1
+        return new
+
+    def close(self) -> None:
+        self.database.close()
+
+
+def expand_inputs(paths: Sequence[str]) -> Iterator[Input]:
     """Expands the command line's paths into image files and tar shards, in the
-    order given, dropping repeats: a file reached again, by the same path or
-    through links (a recursive glob follows links to folders, up the tree
-    too), is kept once, where first found. A file list's entries are known
-    by their path alone (resolving links would cost each of millions of
-    entries system calls): one is a repeat where its path was met before,
-    as a path or as what a path resolved to. Raises FileNotFoundError naming
-    the first path that yields nothing (a missing list file included),
-    ValueError for a list or tar that cannot be used."""
-    found: list[Input] = []
-    seen = set()
-    known: dict[str, str] = {}  # real paths
-    for path in paths:
-        path = os.fspath(path)
-        matches = _expand_one(path, known)
-        if not matches:
-            raise FileNotFoundError(f"no image files found for {path!r}")
-        listed = os.path.isfile(path) and _classify(path) in ("list", "parquet")
-        for match in matches:
-            names = {(match.kind, os.path.normcase(match.path))}
-            if not listed:
-                names.add((match.kind, os.path.normcase(_real_path(match.path, known))))
-            if names.isdisjoint(seen):
-                found.append(match)
-            seen |= names
-    return found
+    order given, dropping repeats, one at a time (a folder or a list may hold
+    millions): a file reached again, by the same path or through links (a
+    recursive glob follows links to folders, up the tree too), is kept once,
+    where first found. A file list's entries are known by their path alone
+    (resolving links would cost each of millions of entries system calls):
+    one is a repeat where its path was met before, as a path or as what a
+    path resolved to. Raises FileNotFoundError naming the first path that
+    yields nothing (a missing list file included), ValueError for a list or
+    tar that cannot be used."""
+    seen = _Seen()
+    known: dict[str, str] = {}  # real paths of folders
+    try:
+        for path in paths:
+            path = os.fspath(path)
+            listed = os.path.isfile(path) and _classify(path) in ("list", "parquet")
+            matches = 0
+            for matches, match in enumerate(_expand_one(path, known), 1):
+                names = {(match.kind, os.path.normcase(match.path))}
+                if not listed:
+                    names.add((match.kind, os.path.normcase(_real_path(match.path, known))))
+                if seen.add(names):
+                    yield match
+            if not matches:
+                raise FileNotFoundError(f"no image files found for {path!r}")
+    finally:
+        seen.close()
 
 
 def split_member_name(name: str) -> tuple[str, str]:
@@ -408,37 +438,6 @@ def scan_tar(path: str) -> list[Sample]:
     return samples
 
 
-def scan_tars(paths: Sequence[str], threads: int = 8) -> list[Plan]:
-    """scan_tar of each path, several at a time (the work is reading headers),
-    each listing kept as a Plan: the listings of every tar are sent to every
-    rank and held together while the plan is built, a few times the plan's
-    size as tuples of strings."""
-    if len(paths) <= 1:
-        return [Plan(scan_tar(path)) for path in paths]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(lambda path: Plan(scan_tar(path)), paths))
-
-
-def build_plan(inputs: Iterable[Input], scan: Callable[[list[str]], Sequence[Sequence[Sample]]] = scan_tars) -> Plan:
-    """The ordered samples of the inputs. `scan` lists the samples of the tars
-    (one listing per tar); torchrun jobs pass one that shares the work between ranks.
-    Tars opened for an earlier plan are closed first: their byte ranges are
-    this plan's."""
-    forget_open_tars()
-    inputs = list(inputs)
-    tars = [item.path for item in inputs if item.kind == "tar"]
-    listings = deque(scan(tars) if tars else [])
-    if len(listings) != len(tars):
-        raise ValueError(f"scan listed {len(listings)} tars of {len(tars)}")
-    plan = Plan()
-    for item in inputs:
-        if item.kind == "tar":
-            plan.extend(listings.popleft())  # each listing freed once it is in the plan
-        else:
-            plan.append(Sample(item.path, item.path))
-    return plan
-
-
 def plan_digest(plan: Iterable[Sample]) -> str:
     """A digest of the plan: the same inputs, in the same order, with the same bytes where."""
     digest = hashlib.sha256()
@@ -459,18 +458,34 @@ def _stamp(path: str) -> tuple[int, int] | None:
     return status.st_size, status.st_mtime_ns
 
 
-def stamps_digest(inputs: Sequence[Input], threads: int = 16, chunk: int = 4096) -> str:
+def map_ahead(function: Callable, items: Iterable, threads: int) -> Iterator:
+    """function(item) of each item, in order, by `threads` threads, computed at
+    most 2 x threads items ahead of the caller (there may be millions)."""
+    pending: deque = deque()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) > 2 * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _stamps(paths: list[str]) -> bytes:
+    return "".join(f"{_stamp(path)}\n" for path in paths).encode()
+
+
+def stamps_digest(paths: Iterable[str], threads: int = 16, chunk: int = 1024) -> str:
     """A digest of every input file's size and modification time (a tar's own,
     not its members'), or of its absence: the plan's digest covers names and
     byte ranges, not contents, so this is what tells a resumed run that the
     files changed since the run began. Several stats at a time: on a network
     file system each waits for the server."""
-    paths = [item.path for item in inputs]
-    chunks = [paths[start : start + chunk] for start in range(0, len(paths), chunk)]
+    paths = iter(paths)
+    chunks = iter(lambda: list(itertools.islice(paths, chunk)), [])
     digest = hashlib.sha256()
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for stamps in pool.map(lambda some: [_stamp(path) for path in some], chunks):
-            digest.update("".join(f"{stamp}\n" for stamp in stamps).encode())
+    for stamps in map_ahead(_stamps, chunks, threads):
+        digest.update(stamps)
     return digest.hexdigest()
 
 
@@ -480,7 +495,7 @@ _open_tars: dict[str, int] = {}
 
 
 def forget_open_tars() -> None:
-    """Closes the tars read so far (build_plan does, so that a tar written
+    """Closes the tars read so far (planning does, so that a tar written
     again under its path since an earlier run in this process is read anew)."""
     for descriptor in _open_tars.values():
         os.close(descriptor)
@@ -509,11 +524,10 @@ def read_sample_bytes(sample: Sample) -> bytes:
 __all__ = [
     "IMAGE_EXTENSIONS",
     "Input",
-    "Plan",
     "Sample",
-    "build_plan",
     "expand_braces",
     "expand_inputs",
+    "map_ahead",
     "plan_digest",
     "read_sample_bytes",
     "scan_tar",

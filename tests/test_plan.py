@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from lumenbridge.pipeline import repeated_keys, shard_batches
+from lumenbridge.pipeline import HASH_CHUNK, RepeatedKeys, repeated_keys, shard_batches
 from lumenbridge.plan import Plan, PlanWriter, Sample, write_plan
 from lumenbridge.sources import plan_digest
 
@@ -139,7 +139,8 @@ def test_a_batch_of_a_shard_is_a_range_of_plan_indices():
     ]
 
 
-def test_repeated_keys_are_found_by_their_hashes_with_their_sources_in_plan_order(tmp_path):
+@pytest.mark.parametrize("chunk", [HASH_CHUNK, 64], ids=["one-bucket", "16-buckets"])
+def test_repeated_keys_are_counted_by_their_hashes_with_the_first_and_its_sources(tmp_path, chunk):
     samples = tar_samples(1000)
     samples[700] = samples[700]._replace(key=samples[3].key)
     samples[900] = samples[900]._replace(key=samples[3].key)
@@ -148,6 +149,17 @@ def test_repeated_keys_are_found_by_their_hashes_with_their_sources_in_plan_orde
         samples[3].key: [samples[3].source, samples[700].source, samples[900].source],
         samples[10].key: [samples[10].source, samples[950].source],
     }
-    assert list(repeated_keys(write_plan(tmp_path / "repeated", samples)).items()) == list(expected.items())
-    assert repeated_keys(write_plan(tmp_path / "unique", tar_samples(1000))) == {}
-    assert repeated_keys(write_plan(tmp_path / "empty", [])) == {}
+    found = repeated_keys(write_plan(tmp_path / "repeated", samples), chunk)
+    assert found == RepeatedKeys(2, (samples[3].key, expected[samples[3].key]))
+    assert repeated_keys(write_plan(tmp_path / "unique", tar_samples(1000)), chunk) == RepeatedKeys(0, None)
+    assert repeated_keys(write_plan(tmp_path / "empty", []), chunk) == RepeatedKeys(0, None)
+
+
+def test_two_keys_of_one_hash_are_not_given_as_an_example(tmp_path, monkeypatch):
+    """A hash collision counts (the count is by hashes) but is no example: the keys themselves decide."""
+    from lumenbridge import pipeline
+
+    colliding = ("0000000001", "0000000002")
+    monkeypatch.setattr(pipeline, "hash", lambda key: -1 if key in colliding else int(key), raising=False)
+    found = repeated_keys(write_plan(tmp_path / "collide", tar_samples(100)))
+    assert found == RepeatedKeys(1, None)

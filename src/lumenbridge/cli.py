@@ -733,10 +733,10 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
         f"waiting for decoded images {seconds['input_wait']:.1f}"
     )
     print(f"index: {os.path.join(out, 'index.jsonl')}")
-    if result.repeated_keys:
-        key, sources = next(iter(result.repeated_keys.items()))
+    if result.repeated_keys.example is not None:
+        key, sources = result.repeated_keys.example
         print(
-            f"note: {len(result.repeated_keys)} keys name more than one image (such as {key!r}, in "
+            f"note: {result.repeated_keys.count} keys name more than one image (such as {key!r}, in "
             f"{' and '.join(sorted(set(sources))[:2])}); read_tokens(DIR).get(key, source=...) picks one",
             file=sys.stderr,
         )

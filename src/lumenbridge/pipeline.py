@@ -25,6 +25,7 @@ import queue
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 from array import array
@@ -678,27 +679,72 @@ class RunResult:
     wall: float
     world: int
     row_shape: list[int]
-    repeated_keys: dict[str, list[str]]  # a key that names several images (in several tars): their sources
+    repeated_keys: RepeatedKeys  # keys that name several images (in several tars)
 
 
-def repeated_keys(plan) -> dict[str, list[str]]:
-    """The keys of the plan that name more than one image, each with the
-    sources of its images (WebDataset keys are often unique only in their tar).
-    The keys' hashes, 8 bytes an image where a set of the keys held about 100,
-    find the few that may repeat; the sources of the keys with those hashes
-    then tell which do."""
-    if not plan:
-        return {}
-    hashes = torch.frombuffer(array("q", (hash(sample.key) for sample in plan)), dtype=torch.int64)
-    values, counts = torch.unique(hashes, return_counts=True)
-    shared = set(values[counts > 1].tolist())
-    del hashes, values, counts
-    sources: dict[str, list[str]] = {}
-    if shared:
-        for sample in plan:
-            if hash(sample.key) in shared:
-                sources.setdefault(sample.key, []).append(sample.source)
-    return {key: found for key, found in sources.items() if len(found) > 1}
+class RepeatedKeys(NamedTuple):
+    """How many keys of a plan name more than one image (WebDataset keys are
+    often unique only in their tar), and one of them with its images' sources."""
+
+    count: int = 0
+    example: tuple[str, list[str]] | None = None
+
+
+HASH_CHUNK = 1 << 23  # key hashes handled at once (64 MB)
+
+
+def repeated_keys(plan: Plan, chunk: int = HASH_CHUNK) -> RepeatedKeys:
+    """The plan's repeated keys, counted by their 64-bit hashes in memory
+    bounded by `chunk` whatever the plan's size: the hashes go to a file next
+    to the plan in plan order, then each of ceil(samples / chunk) buckets
+    (hashes by remainder) is gathered from it and counted at once. A hash met
+    more than once counts as a repeated key (two keys of one hash would count
+    once too often: about one chance in 3,700 at 100 million keys); the
+    example, the first such key in plan order, is checked against the keys
+    themselves."""
+    buckets = -(-len(plan) // chunk)
+    count, first = 0, len(plan)  # the first sample, in plan order, whose hash repeats
+    with tempfile.TemporaryFile(dir=os.path.dirname(plan.path)) as file:
+        for start in range(0, len(plan), chunk):
+            array("q", (hash(plan[index].key) for index in range(start, min(start + chunk, len(plan))))).tofile(file)
+        for bucket in range(buckets):
+            values, counts = torch.unique(
+                torch.cat([hashes[hashes.remainder(buckets) == bucket] for hashes in _chunks_of(file, chunk)]),
+                return_counts=True,
+            )
+            count += int((counts > 1).sum())
+            first = min(first, _first_position(file, chunk, values[counts > 1]))
+        if first == len(plan):
+            return RepeatedKeys(count)
+        key = plan[first].key
+        sources = [plan[index].source for index in _positions(file, chunk, hash(key)) if plan[index].key == key]
+    return RepeatedKeys(count, (key, sources) if len(sources) > 1 else None)
+
+
+def _chunks_of(file, chunk: int):
+    """The int64s of `file`, `chunk` at a time."""
+    file.seek(0)
+    while data := file.read(8 * chunk):
+        yield torch.frombuffer(bytearray(data), dtype=torch.int64)
+
+
+def _first_position(file, chunk: int, wanted: torch.Tensor) -> int:
+    """Where the first of the hashes `wanted` stands in `file` (its length if nowhere)."""
+    end = 0
+    for number, hashes in enumerate(_chunks_of(file, chunk)):
+        found = torch.nonzero(torch.isin(hashes, wanted))
+        if len(found):
+            return number * chunk + int(found[0])
+        end += len(hashes)
+    return end
+
+
+def _positions(file, chunk: int, hashed: int) -> list[int]:
+    """Where the hash `hashed` stands in `file`, in order."""
+    positions = []
+    for number, hashes in enumerate(_chunks_of(file, chunk)):
+        positions += (number * chunk + torch.nonzero(hashes == hashed).flatten()).tolist()
+    return positions
 
 
 def weights_digest(model) -> str:
@@ -837,7 +883,7 @@ def run(
                 stats.wall,
                 group.world,
                 [],
-                {},
+                RepeatedKeys(),
             )
         _maybe_kill("index", "run")
         rows, errors = shards.finish_run(options.out, count)

@@ -376,6 +376,17 @@ def test_a_key_a_tar_repeats_is_reached_by_iterating(tmp_path, images):
     torch.testing.assert_close(by_key[2][1], expected([images[0]])[0])
 
 
+def test_planning_shows_its_steps_on_bars(tmp_path, images, capsys):
+    """Planning millions of inputs takes minutes: each step counts on a bar of its own."""
+    tars = [tmp_path / f"data-{n:03d}.tar" for n in range(2)]
+    for n, tar in enumerate(tars):
+        make_tar(tar, images[3 * n : 3 * n + 3])
+    assert tokenize(tmp_path / "images", *tars, "--out", tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    for step in ("inputs listed", "tars listed", "inputs planned", "samples digested"):
+        assert f"planning: {step}" in err, step
+
+
 def test_inputs_of_empty_tars_are_a_usage_error(tmp_path, capsys):
     empty = tmp_path / "empty.tar"
     tarfile.open(empty, "w").close()

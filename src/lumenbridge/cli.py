@@ -593,7 +593,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
             shards.check_output_dir(args.out)
             with contextlib.ExitStack() as folder_held:
                 folder = str(folder_held.enter_context(staging_folder(args.out, planning.FOLDER_PURPOSE)))
-                planned = planning.write_inputs(folder, expanded_inputs(args.paths))
+                planned = planning.write_inputs(folder, expanded_inputs(args.paths), shown=True)
                 if args.report is not None:
                     own = itertools.chain((item.path for item in planning.read_inputs(folder)), named_files(args.paths))
                     check_report_path(args.report, args.out, own, args.overwrite)

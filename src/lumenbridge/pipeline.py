@@ -812,7 +812,7 @@ def run(
 
     started = time.perf_counter()
     _maybe_kill("plan", "run")  # the inputs expanded into DIR, the plan not yet written
-    plan, samples, plan_digest = planning.make_plan(options.out, planned, group)
+    plan, samples, plan_digest = planning.make_plan(options.out, planned, group, shown=options.progress)
     if not samples:  # files and folders always add samples: every input is an empty tar
         raise shards.OutputError("the inputs hold no sample: every tar named is empty")
     check_ranks_agree(execution_settings(options), allow_mixed, group)

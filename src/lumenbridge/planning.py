@@ -16,8 +16,11 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
+
+from tqdm import tqdm
 
 from .distributed import Group
 from .plan import Plan, PlanWriter, Sample
@@ -36,26 +39,42 @@ class Planned(NamedTuple):
     """What rank 0 tells every rank of the expanded inputs."""
 
     folder: str  # the staging folder's name in DIR
+    inputs: int
     tars: int
     stamps: str  # stamps_digest of the inputs' files
 
 
-def write_inputs(folder: str, inputs: Iterable[Input]) -> Planned:
+def progress(description: str, enabled: bool, total: int | None = None, unit: str = "input") -> tqdm:
+    """A bar for one step of planning (a run of millions of inputs plans for minutes), gone once it ends."""
+    return tqdm(
+        total=total, desc=description, unit=unit, unit_scale=True, file=sys.stderr, disable=not enabled, leave=False
+    )
+
+
+def _counted(items: Iterable, bar: tqdm) -> Iterator:
+    for item in items:
+        bar.update()
+        yield item
+
+
+def write_inputs(folder: str, inputs: Iterable[Input], shown: bool = False) -> Planned:
     """Writes the inputs, in order, to the file INPUTS in `folder` (each its
     kind's letter, its path and a NUL, which no path holds) and digests their
-    files' stamps on the way."""
-    tars = 0
-    with open(os.path.join(folder, INPUTS), "wb") as file:
+    files' stamps on the way; `shown`: with a bar counting them."""
+    count = tars = 0
+    with open(os.path.join(folder, INPUTS), "wb") as file, progress("planning: inputs listed", shown) as bar:
 
         def written() -> Iterator[str]:
-            nonlocal tars
+            nonlocal count, tars
             for item in inputs:
                 file.write(f"{_KINDS[item.kind]}{item.path}\0".encode(*_ENCODING))
+                count += 1
                 tars += item.kind == "tar"
+                bar.update()
                 yield item.path
 
         stamps = stamps_digest(written())
-    return Planned(os.path.basename(folder), tars, stamps)
+    return Planned(os.path.basename(folder), count, tars, stamps)
 
 
 def read_inputs(folder: str) -> Iterator[Input]:
@@ -74,20 +93,29 @@ def plan_folder(out: str, planned: Planned) -> str:
     return os.path.join(out, planned.folder, PLAN)
 
 
-def make_plan(out: str, planned: Planned, group: Group, threads: int = 8) -> tuple[Plan | None, int, str]:
+def make_plan(
+    out: str, planned: Planned, group: Group, threads: int = 8, shown: bool = False
+) -> tuple[Plan | None, int, str]:
     """Every rank: lists its tars, then rank 0 writes the plan. Returns the
     plan on rank 0 (None on the others, which map it once they are known to
-    see DIR), its number of samples and its digest."""
+    see DIR), its number of samples and its digest. `shown`: rank 0 shows
+    bars of its steps (its own share of the tars)."""
+    shown = shown and group.main
     forget_open_tars()  # tars read by an earlier run in this process may have been written again since
     folder = os.path.join(out, planned.folder)
     if planned.tars:
         sees = True
         if group.rank < planned.tars:
             tars = (item.path for item in read_inputs(folder) if item.kind == "tar")
+            mine = -(-(planned.tars - group.rank) // group.world)
             try:
-                with PlanWriter(os.path.join(folder, _LISTING.format(group.rank))) as listing:
+                with (
+                    PlanWriter(os.path.join(folder, _LISTING.format(group.rank))) as listing,
+                    progress("planning: tars listed", shown, mine, "tar") as bar,
+                ):
                     for samples in map_ahead(scan_tar, itertools.islice(tars, group.rank, None, group.world), threads):
                         listing.extend(samples)
+                        bar.update()
             except OSError:  # the folder is not there: DIR is another folder on this rank's machine
                 sees = False
         check_seen_by_every_rank(out, sees, group)
@@ -95,8 +123,10 @@ def make_plan(out: str, planned: Planned, group: Group, threads: int = 8) -> tup
 
     def write() -> tuple[int, str]:  # on rank 0, whose errors from_main raises on every rank
         nonlocal plan
-        plan = _assemble(folder, group.world)
-        return len(plan), plan_digest(plan)
+        with progress("planning: inputs planned", shown, planned.inputs) as bar:
+            plan = _assemble(folder, group.world, bar.update)
+        with progress("planning: samples digested", shown, len(plan), "sample") as bar:
+            return len(plan), plan_digest(_counted(plan, bar))
 
     samples, digest = group.from_main(write)
     return plan, samples, digest
@@ -117,13 +147,14 @@ class _Listing:
             yield sample
 
 
-def _assemble(folder: str, world: int) -> Plan:
-    """Writes the plan from INPUTS and the ranks' listings, each read in order,
-    then removes those."""
+def _assemble(folder: str, world: int, planned_one: Callable[[], object]) -> Plan:
+    """Writes the plan from INPUTS and the ranks' listings, each read in order
+    (planned_one() after each input), then removes those."""
     listings: dict[int, _Listing] = {}
     tars = 0
     with PlanWriter(os.path.join(folder, PLAN)) as writer:
         for item in read_inputs(folder):
+            planned_one()
             if item.kind == "file":
                 writer.append(Sample(item.path, item.path))
                 continue

@@ -441,9 +441,10 @@ def scan_tar(path: str) -> list[Sample]:
 def plan_digest(plan: Iterable[Sample]) -> str:
     """A digest of the plan: the same inputs, in the same order, with the same bytes where."""
     digest = hashlib.sha256()
-    for sample in plan:
-        digest.update(json.dumps(list(sample), separators=(",", ":")).encode())
-        digest.update(b"\n")
+    encode = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps makes an encoder a call
+    samples = iter(plan)
+    while lines := [encode(list(sample)) + "\n" for sample in itertools.islice(samples, 4096)]:
+        digest.update("".join(lines).encode())
     return digest.hexdigest()
 
 

@@ -139,6 +139,17 @@ def test_a_batch_of_a_shard_is_a_range_of_plan_indices():
     ]
 
 
+def test_the_plan_digest_is_the_one_earlier_versions_recorded():
+    """Existing output folders record it in their manifest: a changed digest would refuse to resume them."""
+    samples = [
+        Sample("/data/a.jpg", "/data/a.jpg"),
+        Sample("000001", "/data/part-0.tar", "000001.jpg", 1536, 2048),
+        Sample("000002", "/data/part-0.tar", "000002.png", 4096, 100, "truncated"),
+        Sample("/data/é.jpg", "/data/é.jpg"),
+    ]
+    assert plan_digest(samples) == "e39faee3bc95bcd7a7575b5da33e9c12e87b9ab82be83de19a739d0fe8a92959"
+
+
 @pytest.mark.parametrize("chunk", [HASH_CHUNK, 64], ids=["one-bucket", "16-buckets"])
 def test_repeated_keys_are_counted_by_their_hashes_with_the_first_and_its_sources(tmp_path, chunk):
     samples = tar_samples(1000)

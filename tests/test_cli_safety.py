@@ -197,6 +197,34 @@ def test_a_staging_folder_in_use_is_not_removed(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a worker")
+def test_a_forked_worker_does_not_keep_a_killed_writers_staging_folder(tmp_path):
+    """A DataLoader worker forked while a run holds a staging folder (its plan's)
+    outlives a kill -9 of the run for a while: the next run must still find the
+    folder abandoned, or it stays in DIR after that run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = (
+        "import os, signal, sys, time\n"
+        "from lumenbridge import atomic\n"
+        "with atomic.staging_folder(sys.argv[1]):\n"
+        "    worker = os.fork()\n"
+        "    if worker == 0:\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    open(sys.argv[2], 'w').write(str(worker))\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    pid_file = tmp_path / "worker.pid"
+    writer = subprocess.run([sys.executable, "-c", script, out, pid_file], timeout=60, check=False)
+    try:
+        assert writer.returncode == -signal.SIGKILL
+        atomic.remove_abandoned(out)
+        assert list(out.iterdir()) == []
+    finally:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 # --- items 11 and 12: --background and --max-pixels -------------------------------------
 
 

@@ -758,6 +758,29 @@ def test_a_run_killed_at_any_point_resumes_to_the_same_bytes(tmp_path, dataset):
         assert tree(out) == expected_tree, point  # no partial folder, no missing or extra byte
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="limits the file size with setrlimit")
+def test_a_plan_that_cannot_be_written_in_dir_is_an_error_not_a_crash(tmp_path):
+    """The inputs are expanded into DIR: a full disk there (here a file-size
+    limit, which Python turns into OSError) is told as a write error, as it
+    is while the plan itself is written, and the new DIR is removed."""
+    import resource
+
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"images/image-{number:08d}.jpg\n" for number in range(5000)))
+    limit = 100_000  # the expanded inputs take about 300 KB
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    command = [*COMMAND, "tokenize", listing, "--out", tmp_path / "out", *FAST]
+    done = subprocess.run(
+        command, env=environment(), capture_output=True, text=True, timeout=300, check=False, preexec_fn=limited
+    )
+    assert done.returncode == cli.EXIT_USAGE, done.stderr
+    assert f"lumenbridge: error: cannot write {tmp_path / 'out'}: [Errno 27] File too large" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # --- torchrun ----------------------------------------------------------------------------------
 
 NODE_TIMEOUT = 120  # seconds: a hung rendezvous or end-of-run wait fails the test instead of blocking CI

@@ -5,12 +5,16 @@ with the number of images."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 
 import pytest
+from conftest import plan_of
 
 from lumenbridge.pipeline import HASH_CHUNK, RepeatedKeys, repeated_keys, shard_batches
 from lumenbridge.plan import Plan, PlanWriter, Sample, write_plan
@@ -125,6 +129,26 @@ def test_planning_memory_does_not_grow_with_the_images(tmp_path):
     small, large = planning_peak(tmp_path, 25_000), planning_peak(tmp_path, 100_000)
     assert large - small < 1 << 20, json.dumps({"small": small, "large": large})
     assert large < 4 << 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_planning_unmaps_a_tar_listing_before_removing_it(tmp_path, monkeypatch):
+    """On a network file system a file removed while it is mapped is only
+    renamed (.nfs...), so its folder cannot be removed and the plan fails."""
+    tar = tmp_path / "a.tar"
+    with tarfile.open(tar, "w") as archive:
+        for name in ("0.jpg", "1.jpg"):
+            archive.addfile(tarfile.TarInfo(name))
+    rmtree, mapped = shutil.rmtree, []
+
+    def removing(path, *arguments, **options):
+        with open("/proc/self/maps") as maps:
+            mapped.extend(line.split()[-1] for line in maps if f"{path}{os.sep}" in line)
+        rmtree(path, *arguments, **options)
+
+    monkeypatch.setattr(shutil, "rmtree", removing)
+    assert len(plan_of(tmp_path, tar)) == 2
+    assert mapped == []
 
 
 def test_a_batch_of_a_shard_is_a_range_of_plan_indices():

@@ -25,6 +25,21 @@ except ImportError:  # Windows: staging folders are never locked, so none is eve
 
 STAGING_PREFIX = ".lumenbridge-partial-"
 
+held_locks: set[int] = set()  # descriptors of the flock()s this process holds
+
+
+def _close_in_child() -> None:
+    # A forked child (a DataLoader worker) must not keep a lock alive after the
+    # process that took it is killed: it closes its copies of the descriptors.
+    for descriptor in list(held_locks):
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+    held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
 
 def remove_abandoned(directory: str | os.PathLike) -> None:
     """Remove the staging folders in `directory` whose writer is gone (their lock is free)."""
@@ -48,10 +63,12 @@ def _locked(folder: str, wait: bool) -> Iterator[bool]:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             locked = True
+            held_locks.add(descriptor)
         except BlockingIOError:
             locked = False
         yield locked
     finally:
+        held_locks.discard(descriptor)
         os.close(descriptor)
 
 

@@ -603,6 +603,8 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
         planned = group.from_main(plan_inputs)
     except (UsageError, OutputError) as error:
         return fail(error)
+    except OSError as error:  # writing the expanded inputs in DIR (the expansion's own errors are usage errors)
+        return fail(OutputError(f"cannot write {args.out}: {error}"))
     try:
         device = rank_device(resolve_device(args.device), group)
         if args.decode == "gpu":

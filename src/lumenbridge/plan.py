@@ -169,6 +169,13 @@ class Plan(Sequence[Sample]):
     def __reduce__(self):
         return Plan, (self.path,)
 
+    def close(self) -> None:
+        """Unmaps the files, before they are removed: on a network file system
+        a file removed while mapped is only renamed (.nfs...), which keeps its
+        folder from being removed."""
+        for view in (self._records, self._strings, self._ends):
+            view.release()
+
     def __len__(self) -> int:
         return len(self._records) // _FIELDS
 

@@ -165,6 +165,7 @@ def _assemble(folder: str, world: int, planned_one: Callable[[], object]) -> Pla
     for rank, listing in listings.items():
         if listing.taken != len(listing.plan):
             raise RuntimeError(f"rank {rank} listed samples of no tar of the inputs")
+        listing.plan.close()
         shutil.rmtree(listing.plan.path)
     os.unlink(os.path.join(folder, INPUTS))
     return Plan(os.path.join(folder, PLAN))

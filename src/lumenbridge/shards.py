@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .atomic import STAGING_PREFIX, current_umask, remove_abandoned, staging_folder, write_atomically
+from .atomic import STAGING_PREFIX, current_umask, held_locks, remove_abandoned, staging_folder, write_atomically
 
 MANIFEST = "lumenbridge.json"
 INDEX = "index.jsonl"
@@ -248,22 +248,6 @@ def remove_run(path: str) -> None:
             os.unlink(target)
 
 
-_held_locks: set[int] = set()
-
-
-def _close_in_child() -> None:
-    # A forked child (a DataLoader worker) must not keep the run's lock alive
-    # after the run itself is killed: it closes its copy of the descriptor.
-    for descriptor in list(_held_locks):
-        with contextlib.suppress(OSError):
-            os.close(descriptor)
-    _held_locks.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
-
-
 @contextlib.contextmanager
 def run_lock(path: str) -> Iterator[None]:
     """Held by the run (rank 0) for its whole length: a second command writing
@@ -281,10 +265,10 @@ def run_lock(path: str) -> Iterator[None]:
             raise OutputError(
                 f"--out {path} is being written by another lumenbridge run; wait for it to finish"
             ) from None
-        _held_locks.add(descriptor)
+        held_locks.add(descriptor)  # not kept by a forked worker
         yield
     finally:
-        _held_locks.discard(descriptor)
+        held_locks.discard(descriptor)
         os.close(descriptor)
 
 

@@ -22,13 +22,15 @@ void check_image(const at::Tensor& image, const at::Tensor& first, size_t index)
   const std::string name = "images[" + text(static_cast<int64_t>(index)) + "]";
   TORCH_CHECK(image.scalar_type() == at::kByte, "LumenBridge: crop_resize takes uint8 images; ", name,
               " has dtype ", text(image.scalar_type()));
+  TORCH_CHECK(image.layout() == at::kStrided, "LumenBridge: crop_resize takes dense images; ", name, " is sparse");
   TORCH_CHECK(image.dim() == 3, "LumenBridge: crop_resize takes images of shape [C, H, W]; ", name,
               " has shape ", text(image.sizes()));
   TORCH_CHECK(image.device() == first.device(), "LumenBridge: ", name, " is on ", text(image.device()),
               " but images[0] is on ", text(first.device()), "; all images must be on the same device");
-  TORCH_CHECK(image.size(0) == first.size(0) && image.size(0) >= 1 && image.size(0) <= kMaxCropChannels,
-              "LumenBridge: crop_resize takes images of one channel count, 1 to ", text(kMaxCropChannels),
-              "; images[0] has ", text(first.size(0)), " and ", name, " has ", text(image.size(0)));
+  TORCH_CHECK(image.size(0) >= 1 && image.size(0) <= kMaxCropChannels, "LumenBridge: crop_resize takes 1 to ",
+              text(kMaxCropChannels), " channels; ", name, " has ", text(image.size(0)));
+  TORCH_CHECK(image.size(0) == first.size(0), "LumenBridge: crop_resize takes images of one channel count; ",
+              "images[0] has ", text(first.size(0)), " and ", name, " has ", text(image.size(0)));
   TORCH_CHECK(image.size(1) >= 1 && image.size(2) >= 1 && image.size(1) <= kMaxExtent && image.size(2) <= kMaxExtent,
               "LumenBridge: ", name, " must have between 1 and ", text(kMaxExtent), " rows and columns, got shape ",
               text(image.sizes()));

@@ -992,8 +992,8 @@ def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, telling_weights, mon
     assert cli.main([*run, "--out", str(out_gpu), "--decode", "gpu", "--report", str(report), *common]) == 1
     assert cli.main([*run, "--out", str(out_cpu), *common]) == 1
     seconds = json.loads(report.read_text())["seconds"]
-    assert 0 < seconds["gpu_jpeg"] and 0 < seconds["gpu_resize"]  # the decoding thread's parts
-    assert seconds["gpu_jpeg"] + seconds["gpu_resize"] < seconds["gpu_decode"]
+    assert 0 < seconds["gpu_jpeg"] and 0 < seconds["gpu_resize"] and 0 < seconds["gpu_warmup"]  # the thread's parts
+    assert seconds["gpu_jpeg"] + seconds["gpu_resize"] + seconds["gpu_warmup"] < seconds["gpu_decode"]
     index_gpu, index_cpu = index_of(out_gpu), index_of(out_cpu)
     assert [entry["key"] for entry in index_gpu] == [entry["key"] for entry in index_cpu] == images
     assert [entry["key"] for entry in errors_of(out_gpu)] == [str(tmp_path / "images" / "zz-broken.jpg")]

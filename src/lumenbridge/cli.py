@@ -84,7 +84,7 @@ reason and skipped. Transparent pixels are composited onto --background.
 
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
-workers, summed), GPU decode (of which nvJPEG, and resize and crop), transfer
+workers, summed), GPU decode (of which nvJPEG, its set-up on the first call, and resize and crop), transfer
 (host to GPU and back), tokenize (the model) and write.
 """
 
@@ -682,6 +682,7 @@ TIME_PARTS = (
     "decode",
     "gpu_decode",
     "gpu_jpeg",
+    "gpu_warmup",
     "gpu_resize",
     "transfer",
     "tokenize",
@@ -729,7 +730,8 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
     print(
         "where the time went (seconds, summed over processes): "
         f"decode {seconds['decode']:.1f} (in the workers), gpu decode {seconds['gpu_decode']:.1f} "
-        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, resize and crop {seconds['gpu_resize']:.1f}), "
+        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, its set-up {seconds['gpu_warmup']:.1f}, "
+        f"resize and crop {seconds['gpu_resize']:.1f}), "
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
         f"waiting for decoded images {seconds['input_wait']:.1f}"

@@ -215,6 +215,7 @@ class Stats:
     decode: float = 0.0  # CPU reading and decoding, summed over the workers
     gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop (the decoding thread's time)
     gpu_jpeg: float = 0.0  # of which in nvJPEG's batched decode call
+    gpu_warmup: float = 0.0  # of which nvJPEG's set-up on its first call (a second or so), apart from the steady state
     gpu_resize: float = 0.0  # of which in the resize and crop (issuing it, and waiting for it before the next batch)
     transfer: float = 0.0  # host-to-device images and device-to-host tokens
     tokenize: float = 0.0  # the model
@@ -578,7 +579,8 @@ class _Prepare:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 begun = time.perf_counter()
                 _warm_up_decoder(device)  # nvJPEG's first call sets it up (a second or so), while the workers start
-                self.stats.gpu_decode += time.perf_counter() - begun
+                self.stats.gpu_warmup += time.perf_counter() - begun
+                self.stats.gpu_decode += self.stats.gpu_warmup
                 for number, batch in enumerate(self._timed(self.batches, "read_wait")):
                     if self.stop.is_set():
                         return

@@ -104,6 +104,17 @@ def test_crop_resize_takes_the_op_where_the_extension_serves_the_device(native_o
     assert len(calls) == 1 and torch.equal(got, crop_resize_reference(images, 24, 28))
 
 
+def test_crop_resize_takes_roi_align_on_a_device_the_op_has_no_kernels_for(native_ops, monkeypatch):
+    images = random_images(3)[:2]
+    taken = []
+    monkeypatch.setattr(
+        "lumenbridge.gpu_decode.crop_resize_reference", lambda *a: taken.append(a) or torch.zeros(2, 3, 24, 24)
+    )
+    meta = [image.to("meta") for image in images]
+    crop_resize(meta, 24, 28)
+    assert len(taken) == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_the_op_on_cuda_writes_the_bytes_it_writes_on_the_cpu(poisoned, cuda_kernels):

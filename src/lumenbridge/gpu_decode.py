@@ -123,7 +123,8 @@ def crop_resize(images: Sequence[torch.Tensor], image_size: int, resize: int) ->
     if not images:
         raise ValueError("crop_resize needs at least one image")
     device = images[0].device
-    if not (extension.has_cuda_kernels() if device.type == "cuda" else extension.load()):
+    served = extension.has_cuda_kernels() if device.type == "cuda" else device.type == "cpu" and extension.load()
+    if not served:  # the op's kernels run on the CPU and CUDA GPUs; roi_align elsewhere too
         return crop_resize_reference(images, image_size, resize)
     boxes = crop_boxes(images, image_size, resize)
     corners = [corner for box, _ in boxes for corner in box]

@@ -421,3 +421,17 @@ def test_a_bad_backend_from_the_environment_is_named_as_such(tmp_path, two_pngs,
     assert tokenize(*two_pngs, "--out", tmp_path / "t.safetensors") == 2
     err = capsys.readouterr().err
     assert "unknown backend 'fast' (from LUMENBRIDGE_BACKEND=fast)" in err and "--backend" not in err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows: a run takes no lock there")
+def test_a_second_run_in_a_held_output_folder_is_refused(tmp_path):
+    from lumenbridge import shards
+
+    with (
+        shards.run_lock(str(tmp_path)),
+        pytest.raises(shards.OutputError, match="being written by another lumenbridge run"),
+        shards.run_lock(str(tmp_path)),
+    ):
+        pass
+    with shards.run_lock(str(tmp_path)):  # free again once the first run let it go
+        pass

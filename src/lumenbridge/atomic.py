@@ -25,16 +25,16 @@ except ImportError:  # Windows: staging folders are never locked, so none is eve
 
 STAGING_PREFIX = ".lumenbridge-partial-"
 
-held_locks: set[int] = set()  # descriptors of the flock()s this process holds
+_held_locks: set[int] = set()  # descriptors of the flock()s this process holds
 
 
 def _close_in_child() -> None:
     # A forked child (a DataLoader worker) must not keep a lock alive after the
     # process that took it is killed: it closes its copies of the descriptors.
-    for descriptor in list(held_locks):
+    for descriptor in list(_held_locks):
         with contextlib.suppress(OSError):
             os.close(descriptor)
-    held_locks.clear()
+    _held_locks.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -46,29 +46,31 @@ def remove_abandoned(directory: str | os.PathLike) -> None:
     for entry in os.scandir(directory):
         if not (entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False)):
             continue
-        with contextlib.suppress(FileNotFoundError), _locked(entry.path, wait=False) as locked:
+        with contextlib.suppress(FileNotFoundError), folder_lock(entry.path, wait=False) as locked:
             if locked:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _locked(folder: str, wait: bool) -> Iterator[bool]:
+def folder_lock(folder: str, wait: bool) -> Iterator[bool | None]:
     """Hold an exclusive flock() on a folder; yields False if another process
-    holds it and wait is False. The kernel drops the lock when its holder dies."""
+    holds it and wait is False, None where there are no locks (Windows). The
+    kernel drops the lock when its holder dies, and a forked child does not
+    keep it (_close_in_child)."""
     if fcntl is None:
-        yield False
+        yield None
         return
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             locked = True
-            held_locks.add(descriptor)
+            _held_locks.add(descriptor)
         except BlockingIOError:
             locked = False
         yield locked
     finally:
-        held_locks.discard(descriptor)
+        _held_locks.discard(descriptor)
         os.close(descriptor)
 
 
@@ -79,7 +81,7 @@ def staging_folder(directory: str | os.PathLike, purpose: str = "") -> Iterator[
     Creating it is also the check that files can be written there."""
     folder = tempfile.mkdtemp(prefix=STAGING_PREFIX + purpose, dir=directory)
     try:
-        with _locked(folder, wait=True):
+        with folder_lock(folder, wait=True):
             yield Path(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .atomic import STAGING_PREFIX, current_umask, held_locks, remove_abandoned, staging_folder, write_atomically
+from .atomic import STAGING_PREFIX, current_umask, folder_lock, remove_abandoned, staging_folder, write_atomically
 
 MANIFEST = "lumenbridge.json"
 INDEX = "index.jsonl"
@@ -251,25 +251,12 @@ def remove_run(path: str) -> None:
 @contextlib.contextmanager
 def run_lock(path: str) -> Iterator[None]:
     """Held by the run (rank 0) for its whole length: a second command writing
-    to the same DIR is refused. The kernel drops it when the run dies."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock
+    to the same DIR is refused. The kernel drops it when the run dies (on
+    Windows there is no lock)."""
+    with folder_lock(path, wait=False) as locked:
+        if locked is False:
+            raise OutputError(f"--out {path} is being written by another lumenbridge run; wait for it to finish")
         yield
-        return
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutputError(
-                f"--out {path} is being written by another lumenbridge run; wait for it to finish"
-            ) from None
-        held_locks.add(descriptor)  # not kept by a forked worker
-        yield
-    finally:
-        held_locks.discard(descriptor)
-        os.close(descriptor)
 
 
 def part_paths(directory: str, name: str) -> tuple[str, str]:

@@ -719,7 +719,8 @@ def repeated_keys(plan: Plan, chunk: int = HASH_CHUNK) -> RepeatedKeys:
         if first == len(plan):
             return RepeatedKeys(count)
         key = plan[first].key
-        sources = [plan[index].source for index in _positions(file, chunk, hash(key)) if plan[index].key == key]
+        samples = [plan[index] for index in _positions(file, chunk, hash(key))]
+        sources = [sample.source for sample in samples if sample.key == key]
     return RepeatedKeys(count, (key, sources) if len(sources) > 1 else None)
 
 

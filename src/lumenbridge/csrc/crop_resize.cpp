@@ -79,6 +79,14 @@ std::vector<CropSource> check_crop_resize(at::TensorList images, at::ArrayRef<do
               "image: ", text(count), ", got ", text(static_cast<int64_t>(ratios.size())));
   TORCH_CHECK(size >= 1 && size <= kMaxCropSize, "LumenBridge: crop_resize's size must be between 1 and ",
               text(kMaxCropSize), ", got ", text(size));
+  const at::Device device = images[0].device();
+#ifdef LUMENBRIDGE_WITH_CUDA
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "LumenBridge: crop_resize runs on the CPU and on CUDA GPUs, not on ",
+              text(device));
+#else
+  TORCH_CHECK(device.is_cpu(), "LumenBridge: crop_resize runs on the CPU (this build has no CUDA kernels), not on ",
+              text(device));
+#endif
   check_no_tangents({images});
   std::vector<CropSource> sources;
   sources.reserve(images.size());
@@ -115,7 +123,6 @@ at::Tensor crop_resize(at::TensorList images, at::ArrayRef<double> boxes, at::In
     return out;
   }
 #endif
-  TORCH_CHECK(out.is_cpu(), "LumenBridge: crop_resize runs on the CPU and on CUDA GPUs, not on ", text(out.device()));
   crop_resize_cpu(sources, static_cast<int>(channels), static_cast<int>(size), out.mutable_data_ptr<uint8_t>());
   return out;
 }

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Self
 
 _NONE = -1  # a record's source (the key is the source) or error (none) that has no text
-_ENCODING = ("utf-8", "surrogatepass")  # any str, names read with surrogateescape included
+# How the plan, planning and sources encode every name: any str, those read with surrogateescape included.
+TEXT_ENCODING = ("utf-8", "surrogatepass")
 _FIELDS = 5  # numbers in a record
 RECORDS, STRINGS, ENDS = "records", "strings", "ends"
 _PARTIAL = ".partial"  # a plan folder's name while it is written
@@ -104,7 +105,7 @@ class PlanWriter:
 
     def _write(self, text: str) -> int:
         """Writes a text; returns its number."""
-        data = text.encode(*_ENCODING)
+        data = text.encode(*TEXT_ENCODING)
         self._strings.write(data)
         self._end += len(data)
         self._ends.extend((self._end,))
@@ -181,7 +182,7 @@ class Plan(Sequence[Sample]):
 
     def _text(self, number: int) -> str:
         start = self._ends[number - 1] if number else 0
-        return str(self._strings[start : self._ends[number]], *_ENCODING)
+        return str(self._strings[start : self._ends[number]], *TEXT_ENCODING)
 
     def __getitem__(self, index: int) -> Sample:
         index = range(len(self))[index]  # IndexError, and negative indices, as a list has them

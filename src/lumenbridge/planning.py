@@ -23,7 +23,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from .distributed import Group
-from .plan import Plan, PlanWriter, Sample
+from .plan import TEXT_ENCODING, Plan, PlanWriter, Sample
 from .shards import OutputError
 from .sources import Input, forget_open_tars, map_ahead, plan_digest, scan_tar, stamps_digest
 
@@ -32,7 +32,6 @@ INPUTS = "inputs"
 PLAN = "plan"
 _LISTING = "listing-{}"  # a rank's tars' samples
 _KINDS = {"file": "f", "tar": "t"}  # an input's kind, as its first character in INPUTS
-_ENCODING = ("utf-8", "surrogatepass")
 
 
 class Planned(NamedTuple):
@@ -67,7 +66,7 @@ def write_inputs(folder: str, inputs: Iterable[Input], shown: bool = False) -> P
         def written() -> Iterator[str]:
             nonlocal count, tars
             for item in inputs:
-                file.write(f"{_KINDS[item.kind]}{item.path}\0".encode(*_ENCODING))
+                file.write(f"{_KINDS[item.kind]}{item.path}\0".encode(*TEXT_ENCODING))
                 count += 1
                 tars += item.kind == "tar"
                 bar.update()
@@ -85,7 +84,7 @@ def read_inputs(folder: str) -> Iterator[Input]:
         while block := file.read(1 << 16):
             *entries, rest = (rest + block).split(b"\0")
             for entry in entries:
-                text = entry.decode(*_ENCODING)
+                text = entry.decode(*TEXT_ENCODING)
                 yield Input(kinds[text[0]], text[1:])
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .images import IMAGE_EXTENSIONS, check_byte_count, images_in_folder, is_image_file
-from .plan import Sample
+from .plan import TEXT_ENCODING, Sample
 
 TAR_SUFFIXES = (".tar",)
 COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
@@ -258,7 +258,7 @@ class _Seen:
         """Adds the names (kind, path); whether none of them was there before."""
         new = True
         for kind, path in names:
-            name = f"{kind}\0{path}".encode("utf-8", "surrogatepass")
+            name = f"{kind}\0{path}".encode(*TEXT_ENCODING)
             new &= self.database.execute("INSERT OR IGNORE INTO seen VALUES (?)", (name,)).rowcount == 1
         return new
 

@@ -10,7 +10,9 @@ Generates photo-like JPEGs (300 to 600 px a side) on local disk, then measures:
    --skip-cpu-e2e, the same with --decode cpu) as a subprocess: files in, shards on disk, with
    the run's own time breakdown (--report) and the peak host memory of its process tree; then
    --decode gpu again with the shards in /dev/shm (unless --no-tmpfs), which shows what the
-   pipeline does where the disk's write speed (measured too) is not the limit.
+   pipeline does where the disk's write speed (measured too) is not the limit. `--runs 1x1 1x2 2x2`
+   repeats both --decode gpu runs for each number of processes on the GPU (torchrun) and of
+   --open-shards, in the same run.
 
 Prints a table and writes everything to OUT/bench_pipeline.json. Times on the H200 machine,
 after the extension build (about 70 s on a fresh machine, included in the run):
@@ -69,7 +71,7 @@ def write_images(folder: Path, count: int, processes: int) -> dict:
     existing = image_files(folder)
     if len(existing) >= count:
         paths = existing[:count]
-        return {"images": count, "bytes": sum(path.stat().st_size for path in paths), "seconds": 0.0, "reused": True}
+        return {"images": count, "bytes": sum(os.path.getsize(path) for path in paths), "seconds": 0.0, "reused": True}
     started = time.perf_counter()
     total = 0
     with ProcessPoolExecutor(processes) as pool:
@@ -176,11 +178,14 @@ class PeakMemory(threading.Thread):
             time.sleep(0.2)
 
 
-def end_to_end(images: Path, out: Path, decode: str, args, report: Path) -> dict:
-    """`lumenbridge tokenize` of the images that `images`, a file list, names."""
+def end_to_end(images: Path, out: Path, decode: str, args, report: Path, ranks: int = 1, open_shards: int = 2) -> dict:
+    """`lumenbridge tokenize` of the images that `images`, a file list, names; with
+    ranks > 1, that many torchrun processes share the GPU and the --workers."""
+    launcher = ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"] if ranks > 1 else []
     command = [
         sys.executable,
         "-m",
+        *launcher,
         "lumenbridge",
         "tokenize",
         str(images),
@@ -193,13 +198,16 @@ def end_to_end(images: Path, out: Path, decode: str, args, report: Path) -> dict
         "--batch-size",
         str(args.batch_size),
         "--workers",
-        str(args.workers),
+        str(max(1, args.workers // ranks)),
         "--shard-size",
         str(args.shard_size),
+        "--open-shards",
+        str(open_shards),
         "--report",
         str(report),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    shutil.rmtree(out, ignore_errors=True)  # what a run cut short left in a reused --data folder
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     memory = PeakMemory(process.pid)
@@ -214,6 +222,8 @@ def end_to_end(images: Path, out: Path, decode: str, args, report: Path) -> dict
     shutil.rmtree(out, ignore_errors=True)
     return {
         "command": " ".join(command[2:]),
+        "ranks": ranks,
+        "open_shards": open_shards,
         "process_seconds": seconds,
         "peak_host_memory_bytes": memory.peak or None,
         "token_bytes_on_disk": disk,
@@ -265,6 +275,17 @@ def disk_write_speeds(folder: Path, megabytes: int) -> dict:
     }
 
 
+def run_spec(text: str) -> tuple[int, int]:
+    """--runs' RxW: processes and open shards, both positive."""
+    try:
+        ranks, open_shards = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RxW (processes x open shards), e.g. 1x2") from None
+    if ranks < 1 or open_shards < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both numbers must be positive")
+    return ranks, open_shards
+
+
 def build_extension() -> float:
     started = time.perf_counter()
     subprocess.run(
@@ -288,6 +309,15 @@ def main() -> int:
     parser.add_argument("--preset", default="lumenbridge-base")
     parser.add_argument("--skip-cpu-e2e", action="store_true", help="skip `tokenize --decode cpu` end to end")
     parser.add_argument("--no-tmpfs", action="store_true", help="skip the --decode gpu run that writes to /dev/shm")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        type=run_spec,
+        default=[(1, 2)],
+        metavar="RxW",
+        help="the --decode gpu end-to-end runs, each as R processes on the one GPU (torchrun; the --workers "
+        "split between them) with W --open-shards each (default: 1x2)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     import torch
@@ -298,7 +328,7 @@ def main() -> int:
     count = args.images or (4000 if args.quick else 20_000)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="lumenbridge-bench-"))
+    scratch = Path(args.data).resolve() if args.data else Path(tempfile.mkdtemp(prefix="lumenbridge-bench-"))
     tmpfs_out = TMPFS / f"lumenbridge-bench-{os.getpid()}"
     results: dict = {
         "device": torch.cuda.get_device_name(),
@@ -339,21 +369,24 @@ def main() -> int:
         )
         print(json.dumps(results["decode_only"], indent=1), flush=True)
         save()
-        results["end_to_end"] = {
-            "gpu": end_to_end(listed, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json")
-        }
-        save()
-        # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
-        tokens_bytes = results["end_to_end"]["gpu"]["token_bytes_on_disk"]
-        if args.no_tmpfs or not TMPFS.is_dir():
-            results["tmpfs_skipped"] = "--no-tmpfs" if args.no_tmpfs else f"no {TMPFS}"
-        elif shutil.disk_usage(TMPFS).free <= 1.5 * tokens_bytes:
-            results["tmpfs_skipped"] = f"{TMPFS} has {shutil.disk_usage(TMPFS).free} bytes free, under 1.5x the tokens"
-        else:
-            results["end_to_end"]["gpu_to_tmpfs"] = end_to_end(
-                listed, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json"
+        results["end_to_end"] = {}
+        for ranks, open_shards in args.runs:
+            name = f"gpu_{ranks}x{open_shards}"
+            results["end_to_end"][name] = run = end_to_end(
+                listed, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json", ranks, open_shards
             )
-        save()
+            save()
+            # The same, writing to memory (tmpfs): what the pipeline does where the disk is not the limit.
+            if args.no_tmpfs or not TMPFS.is_dir():
+                results["tmpfs_skipped"] = "--no-tmpfs" if args.no_tmpfs else f"no {TMPFS}"
+            elif shutil.disk_usage(TMPFS).free <= 1.5 * run["token_bytes_on_disk"]:
+                free = shutil.disk_usage(TMPFS).free
+                results["tmpfs_skipped"] = f"{TMPFS} has {free} bytes free, under 1.5x the tokens"
+            else:
+                results["end_to_end"][name.replace("gpu", "gpu_to_tmpfs", 1)] = end_to_end(
+                    listed, tmpfs_out, "gpu", args, scratch / "report-tmpfs.json", ranks, open_shards
+                )
+            save()
         if not (args.quick or args.skip_cpu_e2e):
             results["end_to_end"]["cpu"] = end_to_end(
                 listed, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
@@ -394,7 +427,8 @@ def print_table(results: dict) -> None:
         note = f"tokenize {100 * run['tokenize_share_of_wall']:.1f}% of wall" + (
             f", peak host memory {memory / 2**30:.1f} GiB" if memory else ""
         )
-        where = "shards in /dev/shm" if mode == "gpu_to_tmpfs" else "shards on disk"
+        where = "shards in /dev/shm" if "tmpfs" in mode else "shards on disk"
+        where += f", {run['ranks']} ranks x {run['open_shards']} open shards"
         note += f"; {run['images'] / run['process_seconds']:,.0f}/s counting the process's start"
         decode_mode = "gpu" if mode.startswith("gpu") else "cpu"
         rows.append(

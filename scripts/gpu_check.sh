@@ -15,8 +15,9 @@
 #   RACECHECK_PARTS those of the slow racecheck (default: the same, less the
 #   backward, which racecheck cannot run: see below); BENCHES
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
-#   per-kernel times of a forward and of a training step); FUSED_BENCH_ARGS
-#   goes to bench_fused.py (--quick, --cases).
+#   per-kernel times of a forward and of a training step, and pipeline, the
+#   tokenize command end to end); FUSED_BENCH_ARGS goes to bench_fused.py
+#   (--quick, --cases), PIPELINE_BENCH_ARGS to bench_pipeline.py (--runs).
 #   PYTEST_ARGS is read with the shell's quoting, so a -k expression may hold
 #   spaces. STEP_TIMEOUT caps each step in seconds (default: 540, under the
 #   device's 10 minutes a call). Each step's line is added to $OUT/summary.txt
@@ -94,6 +95,9 @@ if [[ $parts == *" bench "* ]]; then
   [[ $benches == *" fused "* ]] && step fused-benchmark python3 benchmarks/bench_fused.py --out "$OUT" ${FUSED_BENCH_ARGS:-}
   [[ $benches == *" profile "* ]] && step profile python3 scripts/profile_tokenize.py
   [[ $benches == *" profile "* ]] && step profile-train python3 scripts/profile_tokenize.py --train
+  # shellcheck disable=SC2086
+  [[ $benches == *" pipeline "* ]] && step pipeline-benchmark python3 benchmarks/bench_pipeline.py --out "$OUT" \
+    ${PIPELINE_BENCH_ARGS:-}
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from conftest import plan_of
 
-from lumenbridge.pipeline import HASH_CHUNK, RepeatedKeys, repeated_keys, shard_batches
+from lumenbridge.pipeline import HASH_CHUNK, RepeatedKeys, Scheduled, repeated_keys, shard_batches, shard_schedule
 from lumenbridge.plan import Plan, PlanWriter, Sample, write_plan
 from lumenbridge.sources import plan_digest
 
@@ -161,6 +161,34 @@ def test_a_batch_of_a_shard_is_a_range_of_plan_indices():
         (2, range(24, 25)),
         (5, range(0)),  # past the plan's end: written empty
     ]
+
+
+def test_open_shards_take_batches_in_turn_and_each_keeps_plan_order():
+    schedule = shard_schedule([0, 2, 5], plan_size=25, shard_size=10, batch_size=4, open_shards=2)
+    assert schedule == [
+        Scheduled(0, 0, range(4), False),
+        Scheduled(1, 2, range(20, 24), False),
+        Scheduled(0, 0, range(4, 8), False),
+        Scheduled(1, 2, range(24, 25), True),
+        Scheduled(0, 0, range(8, 10), True),
+        Scheduled(1, 5, range(0), True),  # the writer done first takes the next shard
+    ]
+
+
+@pytest.mark.parametrize("open_shards", [1, 3, 8])
+def test_every_batch_is_scheduled_once_whatever_the_open_shards(open_shards):
+    shards = [1, 3, 4, 6, 7]
+    batches = shard_batches(shards, plan_size=75, shard_size=10, batch_size=3)
+    schedule = shard_schedule(shards, plan_size=75, shard_size=10, batch_size=3, open_shards=open_shards)
+    assert sorted((item.shard, item.indices.start) for item in schedule) == [(s, i.start) for s, i in batches]
+    for shard in shards:
+        own = [item for item in schedule if item.shard == shard]
+        assert [item.indices for item in own] == [indices for s, indices in batches if s == shard]
+        assert [item.last for item in own] == [False] * (len(own) - 1) + [True]
+        assert len({item.writer for item in own}) == 1
+    assert {item.writer for item in schedule} == set(range(min(open_shards, len(shards))))
+    if open_shards == 1:
+        assert [(item.shard, item.indices) for item in schedule] == batches
 
 
 def test_the_plan_digest_is_the_one_earlier_versions_recorded():

@@ -84,8 +84,9 @@ reason and skipped. Transparent pixels are composited onto --background.
 
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
-workers, summed), GPU decode (of which nvJPEG, its set-up on the first call, and resize and crop), transfer
-(host to GPU and back), tokenize (the model) and write.
+workers, summed), GPU decode (of which nvJPEG, and resize and crop), nvJPEG's set-up on its first call
+(while the run plans), transfer (host to GPU and back), tokenize (the model) and write (summed over the
+--open-shards writers).
 """
 
 EXIT_CODES_HELP = """\
@@ -108,8 +109,14 @@ exit codes:
 
 
 DEFAULT_SHARD_SIZE = 10_000
+DEFAULT_OPEN_SHARDS = 2
 # Options of --out DIR (their argparse names); one file refuses them.
-SHARDED_ONLY = {"--shard-size": "shard_size", "--report": "report", "--allow-mixed": "allow_mixed"}
+SHARDED_ONLY = {
+    "--shard-size": "shard_size",
+    "--open-shards": "open_shards",
+    "--report": "report",
+    "--allow-mixed": "allow_mixed",
+}
 
 
 class UsageError(Exception):
@@ -472,6 +479,8 @@ def check_common(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-pixels must be positive, got {args.max_pixels}")
     if args.shard_size is not None and args.shard_size < 1:
         raise UsageError(f"--shard-size must be positive, got {args.shard_size}")
+    if args.open_shards is not None and args.open_shards < 1:
+        raise UsageError(f"--open-shards must be positive, got {args.open_shards}")
     if args.weights is not None and (args.preset is not None or args.seed is not None):
         raise UsageError("--preset and --seed pick a randomly initialized model; they cannot go with --weights")
 
@@ -620,6 +629,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
     options = pipeline.Options(
         out=args.out,
         shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
+        open_shards=args.open_shards or DEFAULT_OPEN_SHARDS,
         batch_size=args.batch_size,
         workers=default_workers(group) if args.workers is None else args.workers,
         decode=args.decode,
@@ -730,8 +740,8 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
     print(
         "where the time went (seconds, summed over processes): "
         f"decode {seconds['decode']:.1f} (in the workers), gpu decode {seconds['gpu_decode']:.1f} "
-        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, its set-up {seconds['gpu_warmup']:.1f}, "
-        f"resize and crop {seconds['gpu_resize']:.1f}), "
+        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, resize and crop {seconds['gpu_resize']:.1f}), "
+        f"nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while planning), "
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
         f"waiting for decoded images {seconds['input_wait']:.1f}"
@@ -840,6 +850,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tokenize.add_argument(
         "--shard-size", type=int, metavar="N", help=f"images per shard with --out DIR (default: {DEFAULT_SHARD_SIZE})"
+    )
+    tokenize.add_argument(
+        "--open-shards",
+        type=int,
+        metavar="N",
+        help="shards each process writes at once with --out DIR, each by its own thread, taking batches in turn: "
+        "writes to one file do not run in parallel, so more than one keeps a fast disk busy; the shards' bytes "
+        f"do not depend on it (default: {DEFAULT_OPEN_SHARDS})",
     )
     tokenize.add_argument(
         "--decode",

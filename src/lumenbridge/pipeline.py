@@ -178,6 +178,34 @@ def _warm_up_decoder(device: torch.device) -> None:
     decode_jpegs([torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)] * 2, device)
 
 
+class DecoderWarmUp(threading.Thread):
+    """nvJPEG's set-up on its first call (a second or so), begun as the run
+    starts so that it overlaps planning; finished before the DataLoader forks
+    its workers, which must not copy the process in the middle of it."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(daemon=True, name="lumenbridge-decoder-warm-up")
+        self.device = device
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        begun = time.perf_counter()
+        try:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                _warm_up_decoder(self.device)
+        except BaseException as error:  # noqa: BLE001 - raised by finish, in the run's thread
+            self.error = error
+        self.seconds = time.perf_counter() - begun
+
+    def finish(self, stats: Stats) -> None:
+        self.join()
+        stats.gpu_warmup = self.seconds
+        if self.error is not None:
+            raise self.error
+
+
 def decode_on_cpu(data: bytes, image_size: int, resize: int, max_pixels: int, background) -> torch.Tensor:
     """The CPU path for one image the GPU could not decode."""
     with open_image(io.BytesIO(data)) as image:
@@ -202,6 +230,7 @@ class Options:
     dtype: torch.dtype
     device: torch.device
     backend: str  # the kernels that run the model (dispatch.py's name)
+    open_shards: int  # shards a process writes at once, each by its own thread
     grid: list[int] = field(default_factory=list)  # the token grid of every image: [rows, columns]
     progress: bool = True
     on_failure: Callable[[str, str], None] | None = None
@@ -215,7 +244,7 @@ class Stats:
     decode: float = 0.0  # CPU reading and decoding, summed over the workers
     gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop (the decoding thread's time)
     gpu_jpeg: float = 0.0  # of which in nvJPEG's batched decode call
-    gpu_warmup: float = 0.0  # of which nvJPEG's set-up on its first call (a second or so), apart from the steady state
+    gpu_warmup: float = 0.0  # nvJPEG's set-up on its first call (a second or so), while the run plans
     gpu_resize: float = 0.0  # of which in the resize and crop (issuing it, and waiting for it before the next batch)
     transfer: float = 0.0  # host-to-device images and device-to-host tokens
     tokenize: float = 0.0  # the model
@@ -270,13 +299,16 @@ class Timer:
 
 
 class Writer(threading.Thread):
-    """Writes rows and commits shards in the order they are queued."""
+    """Writes rows and commits shards in the order they are queued. Several
+    run at once, each on its own shards: writes to one file do not run in
+    parallel (they take its inode's lock), writes to two files do. Each
+    counts its own seconds and shards, added to the run's stats at the end."""
 
-    def __init__(self, stats: Stats, timer: Timer | None):
-        super().__init__(daemon=True, name="lumenbridge-writer")
+    def __init__(self, number: int):
+        super().__init__(daemon=True, name=f"lumenbridge-writer-{number}")
         self.tasks: queue.Queue = queue.Queue(maxsize=16)
-        self.stats = stats
-        self.timer = timer
+        self.seconds = 0.0
+        self.shards = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -294,14 +326,14 @@ class Writer(threading.Thread):
                         ready.synchronize()
                     started = time.perf_counter()
                     writer.write_rows(tokens)
-                    self.stats.write += time.perf_counter() - started
+                    self.seconds += time.perf_counter() - started
                     _maybe_kill("write", writer.metadata["shard_index"])
                 elif kind == "commit":
                     started = time.perf_counter()
                     shard = writer.metadata["shard_index"]
                     writer.commit(before_rename=lambda shard=shard: _maybe_kill("commit", shard))
-                    self.stats.write += time.perf_counter() - started
-                    self.stats.shards += 1
+                    self.seconds += time.perf_counter() - started
+                    self.shards += 1
                     _maybe_kill("after", shard)
             except BaseException as error:  # noqa: BLE001 - reported by the main thread
                 self.error = error
@@ -324,14 +356,22 @@ class Writer(threading.Thread):
 
 
 class BufferPool:
-    """Pinned host buffers for device-to-host token copies, reused in turn."""
+    """Pinned host buffers for device-to-host token copies, reused in turn;
+    each made when first needed (pinning tens of MB takes tens of ms, which
+    would otherwise all come before the first batch)."""
 
     def __init__(self, count: int, shape: Sequence[int], dtype: torch.dtype):
         self.free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self.free.put(torch.empty(tuple(shape), dtype=dtype, pin_memory=True))
+        self.unmade = count
+        self.shape = tuple(shape)
+        self.dtype = dtype
 
     def take(self) -> torch.Tensor:
+        with contextlib.suppress(queue.Empty):
+            return self.free.get_nowait()
+        if self.unmade:
+            self.unmade -= 1
+            return torch.empty(self.shape, dtype=self.dtype, pin_memory=True)
         return self.free.get()
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -353,6 +393,41 @@ def shard_batches(shard_indices: Sequence[int], plan_size: int, shard_size: int,
     return batches
 
 
+class Scheduled(NamedTuple):
+    writer: int  # which of the open shards' writers takes its rows
+    shard: int
+    indices: range
+    last: bool  # the shard's last batch: commit it after this one
+
+
+def shard_schedule(shard_indices: Sequence[int], plan_size: int, shard_size: int, batch_size: int, open_shards: int):
+    """The batches of the given shards in the order they are tokenized: up to
+    `open_shards` shards at a time, a batch of each in turn, each writer
+    taking its next shard when one is done. A shard's own batches stay in plan
+    order, so its bytes do not depend on `open_shards`."""
+    pending = iter(shard_indices)
+    by_shard = {}
+    for shard, indices in shard_batches(shard_indices, plan_size, shard_size, batch_size):
+        by_shard.setdefault(shard, []).append(indices)
+    slots = [None] * max(1, min(open_shards, len(shard_indices)))
+    schedule = []
+    while True:
+        taken = False
+        for writer, slot in enumerate(slots):
+            if slot is None or slot[1] == len(by_shard[slot[0]]):
+                shard = next(pending, None)
+                slots[writer] = slot = None if shard is None else [shard, 0]
+            if slot is None:
+                continue
+            shard, number = slot
+            batches = by_shard[shard]
+            schedule.append(Scheduled(writer, shard, batches[number], number == len(batches) - 1))
+            slot[1] += 1
+            taken = True
+        if not taken:
+            return schedule
+
+
 def row_shape(model, image_size: int, device: torch.device) -> list[int]:
     """The shape of one image's tokens (one dry run, which also loads the kernels)."""
     with torch.inference_mode():
@@ -368,6 +443,7 @@ def tokenize_shards(
     metadata: dict[str, str],
     group: Group,
     progress_update: Callable[[int], None],
+    warm_up: DecoderWarmUp | None,
 ) -> Stats:
     """Tokenizes the given shards of the plan into options.out; returns this rank's stats."""
     started = time.perf_counter()
@@ -376,8 +452,7 @@ def tokenize_shards(
     cuda = device.type == "cuda"
     gpu_decode = options.decode == "gpu"
     shape = row_shape(model, options.image_size, device)
-    batches = shard_batches(shard_indices, len(plan), options.shard_size, options.batch_size)
-    shard_of_batch = [shard for shard, _ in batches]
+    schedule = shard_schedule(shard_indices, len(plan), options.shard_size, options.batch_size, options.open_shards)
     dataset = SampleDataset(
         plan,
         options.image_size,
@@ -386,51 +461,57 @@ def tokenize_shards(
         background=options.background,
         gpu=gpu_decode,
     )
-    workers = options.workers if batches else 0
+    workers = options.workers if schedule else 0
     loader = image_loader(
         dataset,
-        batch_sampler=[indices for _, indices in batches],
+        batch_sampler=[batch.indices for batch in schedule],
         num_workers=workers,
         collate_fn=collate,
         pin_memory=cuda and not gpu_decode,
         prefetch_factor=2 if workers else None,
     )
+    if warm_up is not None:
+        warm_up.finish(stats)
     batch_iterator = iter(loader)  # forks the workers before any thread of ours starts
     timer = Timer() if cuda else None
-    writer_thread = Writer(stats, timer)
-    writer_thread.start()
+    writers = [Writer(number) for number in range(1 + max((batch.writer for batch in schedule), default=0))]
+    for writer_thread in writers:
+        writer_thread.start()
     compute = torch.cuda.current_stream(device) if cuda else None
     h2d = torch.cuda.Stream(device) if cuda else None
     d2h = torch.cuda.Stream(device) if cuda else None
-    pool = BufferPool(4, (options.batch_size, *shape), options.dtype) if cuda else None
+    # Two buffers a writer (one written while the next is copied), two more for the copies in flight.
+    pool = BufferPool(2 + 2 * len(writers), (options.batch_size, *shape), options.dtype) if cuda else None
+    shard_of_batch = [batch.shard for batch in schedule]
     prepared_batches = _Prepare(batch_iterator, shard_of_batch, plan, options, stats, timer, h2d)
-    current: shards.ShardWriter | None = None
-    current_shard = -1
+    unfinished: dict[int, shards.ShardWriter] = {}  # open shards not yet handed to their writer to commit
     try:
         with torch.inference_mode():
-            for prepared in prepared_batches:
-                if prepared.shard != current_shard:
-                    if current is not None:
-                        writer_thread.put(("commit", current, None))
-                    current_shard = prepared.shard
-                    current = _open_shard(options, prepared.shard, shard_count, len(plan), shape, metadata)
-                    _maybe_kill("decode", prepared.shard)
-                _record(current, prepared, plan, options, stats)
+            for batch, prepared in zip(schedule, prepared_batches, strict=True):
+                shard_writer = unfinished.get(batch.shard)
+                if shard_writer is None:
+                    shard_writer = _open_shard(options, batch.shard, shard_count, len(plan), shape, metadata)
+                    unfinished[batch.shard] = shard_writer
+                    _maybe_kill("decode", batch.shard)
+                writer_thread = writers[batch.writer]
+                _record(shard_writer, prepared, plan, options, stats)
                 if prepared.pixels is not None:
-                    _tokenize(model, prepared, current, writer_thread, stats, timer, compute, d2h, pool)
+                    _tokenize(model, prepared, shard_writer, writer_thread, stats, timer, compute, d2h, pool)
+                if batch.last:
+                    writer_thread.put(("commit", unfinished.pop(batch.shard), None))
                 progress_update(len(prepared.batch.indices))
                 if timer is not None:
                     timer.collect(stats)
-        if current is not None:
-            writer_thread.put(("commit", current, None))
-            current = None
-        writer_thread.close()
+        for writer_thread in writers:
+            writer_thread.close()
     except BaseException:
-        if current is not None:
-            current.abort()
+        for shard_writer in unfinished.values():
+            shard_writer.abort()
         raise
     finally:
         prepared_batches.close()
+    stats.write = sum(writer_thread.seconds for writer_thread in writers)
+    stats.shards = sum(writer_thread.shards for writer_thread in writers)
     if timer is not None:
         torch.cuda.synchronize(device)
         timer.collect(stats, wait=True)
@@ -577,10 +658,6 @@ class _Prepare:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         try:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                begun = time.perf_counter()
-                _warm_up_decoder(device)  # nvJPEG's first call sets it up (a second or so), while the workers start
-                self.stats.gpu_warmup += time.perf_counter() - begun
-                self.stats.gpu_decode += self.stats.gpu_warmup
                 for number, batch in enumerate(self._timed(self.batches, "read_wait")):
                     if self.stop.is_set():
                         return
@@ -810,6 +887,15 @@ def run(
     for every rank and writes the index. `digest` is weights_digest of the
     weights as loaded, before the cast to options.dtype (which the manifest
     records apart)."""
+    warm_up = DecoderWarmUp(options.device) if options.decode == "gpu" else None
+    try:
+        return _plan_and_tokenize(model, planned, options, weights, digest, overwrite, allow_mixed, group, warm_up)
+    finally:
+        if warm_up is not None:
+            warm_up.join()  # never left running past the run, whatever ended it
+
+
+def _plan_and_tokenize(model, planned, options, weights, digest, overwrite, allow_mixed, group, warm_up):
     import hashlib
     import json
 
@@ -867,7 +953,7 @@ def run(
                 bar.update(images)
 
         try:
-            stats = tokenize_shards(model, plan, mine, count, options, metadata, group, update)
+            stats = tokenize_shards(model, plan, mine, count, options, metadata, group, update, warm_up)
             if group.distributed:
                 sync_progress(force=True)
             refresh = (lambda: sync_progress(force=True)) if group.main else (lambda: None)

@@ -181,7 +181,9 @@ def _warm_up_decoder(device: torch.device) -> None:
 class DecoderWarmUp(threading.Thread):
     """nvJPEG's set-up on its first call (a second or so), begun as the run
     starts so that it overlaps planning; finished before the DataLoader forks
-    its workers, which must not copy the process in the middle of it."""
+    its workers, which must not copy the process in the middle of it. It
+    decodes on a stream of its own, as the decoding thread does (see
+    gpu_decode's note on nvJPEG), not on the one the model's dry run uses."""
 
     def __init__(self, device: torch.device):
         super().__init__(daemon=True, name="lumenbridge-decoder-warm-up")
@@ -193,7 +195,8 @@ class DecoderWarmUp(threading.Thread):
     def run(self) -> None:
         begun = time.perf_counter()
         try:
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            cuda = self.device.type == "cuda"
+            with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
                 _warm_up_decoder(self.device)
         except BaseException as error:  # noqa: BLE001 - raised by finish, in the run's thread
             self.error = error

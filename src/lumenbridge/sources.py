@@ -198,17 +198,48 @@ def _real_path(path: str, known: dict[str, str]) -> str:
     return os.path.realpath(resolved) if os.path.islink(resolved) else resolved
 
 
-def _shortest_path_to_each(paths: Iterable[str], known: dict[str, str]) -> list[str]:
+def _scratch_database(table: str) -> sqlite3.Connection:
+    """A private temporary database of one table (sqlite keeps a few MB of it
+    in memory and the rest in a file of the temporary folder, removed when
+    it closes): for what grows with a run's images."""
+    database = sqlite3.connect("")
+    database.execute(f"CREATE TABLE {table} WITHOUT ROWID")
+    return database
+
+
+# Of the paths to one file, keeps the least by (parts, path): the first of
+# fewest parts in sorted order. parts() (_parts) runs only where a file is
+# reached again: a Path of every match would take longer than its row's insert.
+_KEEP_SHORTER = (
+    "INSERT INTO shortest VALUES (?, ?) ON CONFLICT (real) DO UPDATE SET path = excluded.path "
+    "WHERE (parts(excluded.path), excluded.path) < (parts(shortest.path), shortest.path)"
+)
+
+
+def _parts(path: bytes) -> int:
+    return len(Path(path.decode(*TEXT_ENCODING)).parts)
+
+
+def _shortest_path_to_each(paths: Iterable[str], known: dict[str, str]) -> Iterator[str]:
     """Sorted paths, one to each file or folder: a recursive glob follows
     links to folders, up the tree too, and reaches the same file by ever
-    longer paths; the one of fewest parts is kept. (A glob's matches are
-    held in memory to sort them: give a folder or a file list for millions.)"""
-    shortest: dict[str, str] = {}
-    for path in sorted(paths):
-        real = os.path.normcase(_real_path(path, known))
-        if real not in shortest or len(Path(path).parts) < len(Path(shortest[real]).parts):
-            shortest[real] = path
-    return sorted(shortest.values())
+    longer paths; the one of fewest parts is kept (of as many, the first in
+    sorted order). They are kept and sorted in a _scratch_database, not in
+    memory (a glob may match millions), in TEXT_ENCODING: UTF-8's bytes sort
+    as their code points do, lone surrogates (names that are not UTF-8)
+    included, so sqlite's ORDER BY gives str's order."""
+    database = _scratch_database("shortest (real BLOB PRIMARY KEY, path BLOB)")
+    try:
+        database.create_function("parts", 1, _parts)
+        rows = (
+            (os.path.normcase(_real_path(path, known)).encode(*TEXT_ENCODING), path.encode(*TEXT_ENCODING))
+            for path in paths
+        )
+        database.executemany(_KEEP_SHORTER, rows)
+        for (path,) in database.execute("SELECT path FROM shortest ORDER BY path"):
+            yield path.decode(*TEXT_ENCODING)
+    finally:
+        database.close()
 
 
 def _expand_one(path: str, known: dict[str, str]) -> Iterator[Input]:
@@ -235,7 +266,7 @@ def _expand_one(path: str, known: dict[str, str]) -> Iterator[Input]:
                 )
                 raise FileNotFoundError(f"{each!r} (from {path!r}) {problem}")
     elif _GLOB_CHARACTERS.intersection(path):
-        for match in _shortest_path_to_each(glob.glob(path, recursive=True), known):
+        for match in _shortest_path_to_each(glob.iglob(path, recursive=True), known):
             if os.path.isdir(match):
                 yield from (Input("file", os.path.abspath(image)) for image in images_in_folder(match))
             elif is_image_file(match):
@@ -245,14 +276,11 @@ def _expand_one(path: str, known: dict[str, str]) -> Iterator[Input]:
 
 
 class _Seen:
-    """The names of the inputs met so far, in a private temporary database
-    (sqlite keeps a few MB of it in memory and the rest in a file of the
-    temporary folder, removed when it closes): a set of every path of a run
-    would grow with its images."""
+    """The names of the inputs met so far, in a _scratch_database: a set of
+    every path of a run would grow with its images."""
 
     def __init__(self) -> None:
-        self.database = sqlite3.connect("")
-        self.database.execute("CREATE TABLE seen (name BLOB PRIMARY KEY) WITHOUT ROWID")
+        self.database = _scratch_database("seen (name BLOB PRIMARY KEY)")
 
     def add(self, names: Iterable[tuple[str, str]]) -> bool:
         """Adds the names (kind, path); whether none of them was there before."""
@@ -268,15 +296,15 @@ class _Seen:
 
 def expand_inputs(paths: Sequence[str]) -> Iterator[Input]:
     """Expands the command line's paths into image files and tar shards, in the
-    order given, dropping repeats, one at a time (a folder or a list may hold
-    millions): a file reached again, by the same path or through links (a
-    recursive glob follows links to folders, up the tree too), is kept once,
-    where first found. A file list's entries are known by their path alone
-    (resolving links would cost each of millions of entries system calls):
-    one is a repeat where its path was met before, as a path or as what a
-    path resolved to. Raises FileNotFoundError naming the first path that
-    yields nothing (a missing list file included), ValueError for a list or
-    tar that cannot be used."""
+    order given, dropping repeats, one at a time (a folder, a glob or a list
+    may name millions): a file reached again, by the same path or through
+    links (a recursive glob follows links to folders, up the tree too), is
+    kept once, where first found. A file list's entries are known by their
+    path alone (resolving links would cost each of millions of entries
+    system calls): one is a repeat where its path was met before, as a path
+    or as what a path resolved to. Raises FileNotFoundError naming the first
+    path that yields nothing (a missing list file included), ValueError for
+    a list or tar that cannot be used."""
     seen = _Seen()
     known: dict[str, str] = {}  # real paths of folders
     try:

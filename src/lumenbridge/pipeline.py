@@ -7,8 +7,8 @@ overlapping the others:
        |                                                            |
        +-- or JPEG bytes --> GPU decode thread (own stream)         +--> D2H copy stream --> pinned buffers
                                                                                                   |
-                                                                          writer thread: rows to the shard file,
-                                                                          then fsync + rename per shard
+                                                                     --open-shards writer threads, a shard each
+                                                                     in turn: rows to its file, then fsync + rename
 
 Host memory stays bounded: a few batches in flight between the stages and a
 few pinned token buffers, whatever the number of images (a shard's tokens go

@@ -501,7 +501,8 @@ def tokenize_shards(
                 if prepared.pixels is not None:
                     _tokenize(model, prepared, shard_writer, writer_thread, stats, timer, compute, d2h, pool)
                 if batch.last:
-                    writer_thread.put(("commit", unfinished.pop(batch.shard), None))
+                    writer_thread.put(("commit", shard_writer, None))
+                    del unfinished[batch.shard]  # once its writer has it; until then the except below aborts it
                 progress_update(len(prepared.batch.indices))
                 if timer is not None:
                     timer.collect(stats)

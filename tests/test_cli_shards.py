@@ -845,6 +845,32 @@ def test_a_shard_whose_commit_its_failed_writer_cannot_take_is_aborted(tmp_path,
     assert_every_shard_committed_or_aborted(made, out)
 
 
+def test_a_write_error_ends_every_writer_before_the_run_does(tmp_path, images, monkeypatch, capsys):
+    """Two shards written at once and one of them on a full disk: the run
+    fails with that error only once neither writer thread runs any longer
+    and every shard it opened is committed or aborted (the other writer's
+    shard, whose commit is still queued, is aborted). The other writer was
+    left running: it went on writing and committed its shard into DIR after
+    the run had failed and let DIR go."""
+    made = shard_writers_made(monkeypatch)
+    write_rows = shards.ShardWriter.write_rows
+
+    def failing_write(self, tokens):
+        if self.metadata["shard_index"] == "1":
+            no_space()
+        time.sleep(0.05)  # the other writer is still at work when the error reaches the main thread
+        write_rows(self, tokens)
+
+    monkeypatch.setattr(shards.ShardWriter, "write_rows", failing_write)
+    before = set(threading.enumerate())
+    out = tmp_path / "out"
+    assert tokenize(tmp_path / "images", "--out", out, "--shard-size", "2", "--batch-size", "1") == cli.EXIT_USAGE
+    assert "No space left on device" in capsys.readouterr().err
+    left = [thread.name for thread in set(threading.enumerate()) - before if thread.name.startswith("lumenbridge-")]
+    assert not left
+    assert_every_shard_committed_or_aborted(made, out)
+
+
 # --- torchrun ----------------------------------------------------------------------------------
 
 NODE_TIMEOUT = 120  # seconds: a hung rendezvous or end-of-run wait fails the test instead of blocking CI

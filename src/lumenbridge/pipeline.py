@@ -313,6 +313,7 @@ class Writer(threading.Thread):
         self.seconds = 0.0
         self.shards = 0
         self.error: BaseException | None = None
+        self.stopped = False
 
     def run(self) -> None:
         while True:
@@ -321,8 +322,10 @@ class Writer(threading.Thread):
                 return
             kind, writer, payload = task
             try:
-                if self.error is not None:
-                    pass  # drain: keep releasing buffers so the producer never blocks
+                if self.error is not None or self.stopped:
+                    # Drain: keep releasing buffers so the producer never blocks; a shard not committed is aborted.
+                    if kind == "commit":
+                        writer.abort()
                 elif kind == "rows":
                     tokens, ready, _ = payload
                     if ready is not None:
@@ -356,6 +359,12 @@ class Writer(threading.Thread):
         self.join()
         if self.error is not None:
             raise self.error
+
+    def stop(self) -> None:
+        """Ends the thread, dropping what is still queued (the run failed)."""
+        self.stopped = True
+        self.tasks.put(None)
+        self.join()
 
 
 class BufferPool:
@@ -509,6 +518,8 @@ def tokenize_shards(
         for writer_thread in writers:
             writer_thread.close()
     except BaseException:
+        for writer_thread in writers:
+            writer_thread.stop()  # first: no thread may write a shard once it is aborted, or DIR after the run
         for shard_writer in unfinished.values():
             shard_writer.abort()
         raise

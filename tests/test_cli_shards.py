@@ -5,6 +5,7 @@ reading it back."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -787,6 +789,86 @@ def test_a_plan_that_cannot_be_written_in_dir_is_an_error_not_a_crash(tmp_path):
     assert done.returncode == cli.EXIT_USAGE, done.stderr
     assert f"lumenbridge: error: cannot write {tmp_path / 'out'}: [Errno 27] File too large" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def shard_writers_made(monkeypatch) -> list[shards.ShardWriter]:
+    """Every ShardWriter made from now on, kept alive (none is closed by being collected)."""
+    made = []
+    make = shards.ShardWriter.__init__
+
+    def keep(self, *arguments, **keywords):
+        make(self, *arguments, **keywords)
+        made.append(self)
+
+    monkeypatch.setattr(shards.ShardWriter, "__init__", keep)
+    return made
+
+
+def no_space() -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def assert_every_shard_committed_or_aborted(made: list[shards.ShardWriter], out: Path) -> None:
+    assert made and not [writer.name for writer in made if not writer.file.closed]
+    assert not [name for name in os.listdir(out) if name.startswith(".lumenbridge-partial-")]
+
+
+def test_a_shard_whose_commit_its_failed_writer_cannot_take_is_aborted(tmp_path, images, monkeypatch, capsys):
+    """The writer fails committing shard 0 once shard 1's rows are queued
+    behind it: shard 1, whose commit the main thread then cannot hand over,
+    is aborted like every other shard the run opened."""
+    made = shard_writers_made(monkeypatch)
+    queued = threading.Event()
+    commit, put = shards.ShardWriter.commit, pipeline.Writer.put
+
+    def failing_commit(self, before_rename=None):
+        if self.metadata["shard_index"] == "0":
+            assert queued.wait(30)
+            no_space()
+        commit(self, before_rename)
+
+    def late_put(self, task):
+        if task[0] == "commit" and task[1].metadata["shard_index"] == "1":
+            queued.set()
+            deadline = time.monotonic() + 30
+            while self.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        put(self, task)
+
+    monkeypatch.setattr(shards.ShardWriter, "commit", failing_commit)
+    monkeypatch.setattr(pipeline.Writer, "put", late_put)
+    out = tmp_path / "out"
+    arguments = ["--shard-size", "2", "--batch-size", "2", "--open-shards", "1"]
+    assert tokenize(tmp_path / "images", "--out", out, *arguments) == cli.EXIT_USAGE
+    assert "No space left on device" in capsys.readouterr().err
+    assert [writer.name for writer in made][:2] == [shards.shard_name(0, 6), shards.shard_name(1, 6)]
+    assert_every_shard_committed_or_aborted(made, out)
+
+
+def test_a_write_error_ends_every_writer_before_the_run_does(tmp_path, images, monkeypatch, capsys):
+    """Two shards written at once and one of them on a full disk: the run
+    fails with that error only once neither writer thread runs any longer
+    and every shard it opened is committed or aborted (the other writer's
+    shard, whose commit is still queued, is aborted). The other writer was
+    left running: it went on writing and committed its shard into DIR after
+    the run had failed and let DIR go."""
+    made = shard_writers_made(monkeypatch)
+    write_rows = shards.ShardWriter.write_rows
+
+    def failing_write(self, tokens):
+        if self.metadata["shard_index"] == "1":
+            no_space()
+        time.sleep(0.05)  # the other writer is still at work when the error reaches the main thread
+        write_rows(self, tokens)
+
+    monkeypatch.setattr(shards.ShardWriter, "write_rows", failing_write)
+    before = set(threading.enumerate())
+    out = tmp_path / "out"
+    assert tokenize(tmp_path / "images", "--out", out, "--shard-size", "2", "--batch-size", "1") == cli.EXIT_USAGE
+    assert "No space left on device" in capsys.readouterr().err
+    left = [thread.name for thread in set(threading.enumerate()) - before if thread.name.startswith("lumenbridge-")]
+    assert not left
+    assert_every_shard_committed_or_aborted(made, out)
 
 
 # --- torchrun ----------------------------------------------------------------------------------

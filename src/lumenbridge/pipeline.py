@@ -263,7 +263,6 @@ class Stats:
 class Prepared(NamedTuple):
     """A batch ready for the model: the readable images' pixels in plan order."""
 
-    shard: int
     batch: Batch
     good: list[Item]  # the readable items, in plan order
     failures: list[tuple[Item, str]]
@@ -313,6 +312,7 @@ class Writer(threading.Thread):
         self.seconds = 0.0
         self.shards = 0
         self.error: BaseException | None = None
+        self.stopped = False
 
     def run(self) -> None:
         while True:
@@ -321,8 +321,10 @@ class Writer(threading.Thread):
                 return
             kind, writer, payload = task
             try:
-                if self.error is not None:
-                    pass  # drain: keep releasing buffers so the producer never blocks
+                if self.error is not None or self.stopped:
+                    # Drain: keep releasing buffers so the producer never blocks; a shard not committed is aborted.
+                    if kind == "commit":
+                        writer.abort()
                 elif kind == "rows":
                     tokens, ready, _ = payload
                     if ready is not None:
@@ -356,6 +358,12 @@ class Writer(threading.Thread):
         self.join()
         if self.error is not None:
             raise self.error
+
+    def stop(self) -> None:
+        """Ends the thread, dropping what is still queued (the run failed)."""
+        self.stopped = True
+        self.tasks.put(None)
+        self.join()
 
 
 class BufferPool:
@@ -485,8 +493,7 @@ def tokenize_shards(
     d2h = torch.cuda.Stream(device) if cuda else None
     # Two buffers a writer (one written while the next is copied), two more for the copies in flight.
     pool = BufferPool(2 + 2 * len(writers), (options.batch_size, *shape), options.dtype) if cuda else None
-    shard_of_batch = [batch.shard for batch in schedule]
-    prepared_batches = _Prepare(batch_iterator, shard_of_batch, plan, options, stats, timer, h2d)
+    prepared_batches = _Prepare(batch_iterator, plan, options, stats, timer, h2d)
     unfinished: dict[int, shards.ShardWriter] = {}  # open shards not yet handed to their writer to commit
     try:
         with torch.inference_mode():
@@ -501,13 +508,16 @@ def tokenize_shards(
                 if prepared.pixels is not None:
                     _tokenize(model, prepared, shard_writer, writer_thread, stats, timer, compute, d2h, pool)
                 if batch.last:
-                    writer_thread.put(("commit", unfinished.pop(batch.shard), None))
+                    writer_thread.put(("commit", shard_writer, None))
+                    del unfinished[batch.shard]  # once its writer has it; until then the except below aborts it
                 progress_update(len(prepared.batch.indices))
                 if timer is not None:
                     timer.collect(stats)
         for writer_thread in writers:
             writer_thread.close()
     except BaseException:
+        for writer_thread in writers:
+            writer_thread.stop()  # first: no thread may write a shard once it is aborted, or DIR after the run
         for shard_writer in unfinished.values():
             shard_writer.abort()
         raise
@@ -592,10 +602,9 @@ class _Prepare:
     their own stream, or, with --decode gpu, batches decoded on the GPU in a
     thread of their own (with its own stream) a few batches ahead."""
 
-    def __init__(self, batches, shard_of_batch, plan, options: Options, stats: Stats, timer: Timer | None, h2d):
+    def __init__(self, batches, plan, options: Options, stats: Stats, timer: Timer | None, h2d):
         self.batches = batches
         self.plan = plan
-        self.shard_of_batch = shard_of_batch
         self.options = options
         self.stats = stats
         self.timer = timer
@@ -609,8 +618,8 @@ class _Prepare:
 
     def __iter__(self):
         if self.thread is None:
-            for number, batch in enumerate(self._timed(self.batches, "input_wait")):
-                yield self._upload(self.shard_of_batch[number], batch)
+            for batch in self._timed(self.batches, "input_wait"):
+                yield self._upload(batch)
             return
         while True:
             begun = time.perf_counter()
@@ -641,7 +650,7 @@ class _Prepare:
         failures = [(item, item.error) for item in batch.items if item.error is not None]
         return good, failures
 
-    def _upload(self, shard: int, batch: Batch) -> Prepared:
+    def _upload(self, batch: Batch) -> Prepared:
         good, failures = self._split(batch)
         pixels, ready = batch.pixels, None
         if pixels is not None and self.h2d is not None:
@@ -654,18 +663,18 @@ class _Prepare:
                 ready = torch.cuda.Event()
                 ready.record(self.h2d)
             pixels.record_stream(torch.cuda.current_stream(device))
-        return Prepared(shard, batch, good, failures, pixels, ready)
+        return Prepared(batch, good, failures, pixels, ready)
 
     def _decode_ahead(self) -> None:
         device = self.options.device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         try:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for number, batch in enumerate(self._timed(self.batches, "read_wait")):
+                for batch in self._timed(self.batches, "read_wait"):
                     if self.stop.is_set():
                         return
                     begun = time.perf_counter()
-                    prepared = self._decode(self.shard_of_batch[number], batch, stream)
+                    prepared = self._decode(batch, stream)
                     self.stats.gpu_decode += time.perf_counter() - begun
                     while not self.stop.is_set():
                         try:
@@ -677,7 +686,7 @@ class _Prepare:
         except BaseException as error:  # noqa: BLE001 - re-raised in the model's thread
             self.ready.put(error)
 
-    def _decode(self, shard: int, batch: Batch, stream) -> Prepared:
+    def _decode(self, batch: Batch, stream) -> Prepared:
         from .gpu_decode import _on, crop_resize, decode_jpegs, orient
 
         options = self.options
@@ -716,7 +725,7 @@ class _Prepare:
                 on_cpu.append((len(good), pixels))
                 good.append(item)
         if not good:
-            return Prepared(shard, batch, good, failures, None, None)
+            return Prepared(batch, good, failures, None, None)
         pixels = torch.empty((len(good), 3, options.image_size, options.image_size), dtype=torch.uint8, device=device)
         if on_gpu:
             begun = time.perf_counter()
@@ -731,7 +740,7 @@ class _Prepare:
             ready = torch.cuda.Event()
             ready.record(stream)
             pixels.record_stream(torch.cuda.default_stream(device))
-        return Prepared(shard, batch, good, failures, pixels, ready)
+        return Prepared(batch, good, failures, pixels, ready)
 
     def close(self) -> None:
         self.stop.set()

@@ -308,7 +308,8 @@ class Writer(threading.Thread):
 
     def __init__(self, number: int):
         super().__init__(daemon=True, name=f"lumenbridge-writer-{number}")
-        self.tasks: queue.Queue = queue.Queue(maxsize=16)
+        # On the CPU the queue bounds the tokens waiting for this writer (on CUDA the pinned buffers do).
+        self.tasks: queue.Queue = queue.Queue(maxsize=4)
         self.seconds = 0.0
         self.shards = 0
         self.error: BaseException | None = None
@@ -411,7 +412,9 @@ class Scheduled(NamedTuple):
     last: bool  # the shard's last batch: commit it after this one
 
 
-def shard_schedule(shard_indices: Sequence[int], plan_size: int, shard_size: int, batch_size: int, open_shards: int):
+def shard_schedule(
+    shard_indices: Sequence[int], plan_size: int, shard_size: int, batch_size: int, open_shards: int
+) -> list[Scheduled]:
     """The batches of the given shards in the order they are tokenized: up to
     `open_shards` shards at a time, a batch of each in turn, each writer
     taking its next shard when one is done. A shard's own batches stay in plan
@@ -483,7 +486,7 @@ def tokenize_shards(
     )
     if warm_up is not None:
         warm_up.finish(stats)
-    batch_iterator = iter(loader)  # forks the workers before any thread of ours starts
+    batch_iterator = iter(loader)  # forks the workers while no thread of ours runs (the warm-up has ended)
     timer = Timer() if cuda else None
     writers = [Writer(number) for number in range(1 + max((batch.writer for batch in schedule), default=0))]
     for writer_thread in writers:

@@ -122,6 +122,7 @@ def test_shards_index_and_tokens(tmp_path, images, capsys):
     assert tokenize(tmp_path / "images", "--out", out, "--shard-size", "5", "--batch-size", "2") == 0
     captured = capsys.readouterr().out
     assert "tokenized 12 images into 3 shards" in captured and "where the time went" in captured
+    assert "gpu decode" not in captured and "nvJPEG" not in captured  # parts of --decode gpu only
     names = sorted(os.listdir(out))
     assert names == [
         "errors.jsonl",
@@ -1070,7 +1071,7 @@ def assert_decoders_agree(gpu: dict, cpu: dict, paths: list[str]) -> None:
         assert torch.nn.functional.cosine_similarity(tokens, cpu_tokens[i], dim=0) > 0.9, path
 
 
-def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, telling_weights, monkeypatch):
+def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, telling_weights, monkeypatch, capsys):
     import_or_skip("torchvision")
     (tmp_path / "images" / "zz-broken.jpg").write_bytes(Path(images[1]).read_bytes()[:200])  # header fine, data cut
     monkeypatch.setattr(cli, "check_gpu_decode", lambda device: None)
@@ -1080,7 +1081,9 @@ def test_gpu_decode_path_logic_on_the_cpu(tmp_path, images, telling_weights, mon
     run = ["tokenize", str(tmp_path / "images")]
     report = tmp_path / "report.json"
     assert cli.main([*run, "--out", str(out_gpu), "--decode", "gpu", "--report", str(report), *common]) == 1
+    assert "gpu decode" in capsys.readouterr().out  # in the summary of --decode gpu only
     assert cli.main([*run, "--out", str(out_cpu), *common]) == 1
+    assert "gpu decode" not in capsys.readouterr().out
     seconds = json.loads(report.read_text())["seconds"]
     assert 0 < seconds["gpu_jpeg"] and 0 < seconds["gpu_resize"]  # the decoding thread's parts
     assert seconds["gpu_jpeg"] + seconds["gpu_resize"] < seconds["gpu_decode"]

@@ -84,8 +84,8 @@ reason and skipped. Transparent pixels are composited onto --background.
 
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
-workers, summed), GPU decode (of which nvJPEG, and resize and crop), nvJPEG's set-up on its first call
-(while the run plans), transfer (host to GPU and back), tokenize (the model) and write (summed over the
+workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize and crop) and nvJPEG's set-up
+on its first call (while the run plans), transfer (host to GPU and back), tokenize (the model) and write (summed over the
 --open-shards writers).
 """
 
@@ -664,7 +664,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
     group.close()
     if not group.main:
         return EXIT_OK
-    print_sharded_summary(result, args.out, device, backend, dtype_name)
+    print_sharded_summary(result, args.out, device, backend, dtype_name, args.decode)
     if args.report is not None:
         try:
             write_report(args.report, result, device, backend, dtype_name)
@@ -725,7 +725,7 @@ def summary_numbers(result) -> dict:
     }
 
 
-def print_sharded_summary(result, out: str, device, backend: str, dtype: str) -> None:
+def print_sharded_summary(result, out: str, device, backend: str, dtype: str, decode: str) -> None:
     numbers = summary_numbers(result)
     seconds = numbers["seconds"]
     print(
@@ -737,11 +737,15 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str) ->
         f"wall time {result.wall:.1f} s: {numbers['images_per_second']:.1f} images/s end to end, "
         f"{numbers['images_per_second_per_process']:.1f} per process ({result.world} on {device.type}, backend: {backend})"
     )
+    gpu_parts = (
+        f"gpu decode {seconds['gpu_decode']:.1f} (nvJPEG {seconds['gpu_jpeg']:.1f}, "
+        f"resize and crop {seconds['gpu_resize']:.1f}), nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while planning), "
+        if decode == "gpu"
+        else ""
+    )
     print(
         "where the time went (seconds, summed over processes): "
-        f"decode {seconds['decode']:.1f} (in the workers), gpu decode {seconds['gpu_decode']:.1f} "
-        f"(nvJPEG {seconds['gpu_jpeg']:.1f}, resize and crop {seconds['gpu_resize']:.1f}), "
-        f"nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while planning), "
+        f"decode {seconds['decode']:.1f} (in the workers), {gpu_parts}"
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
         f"waiting for decoded images {seconds['input_wait']:.1f}"

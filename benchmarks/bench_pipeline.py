@@ -178,7 +178,7 @@ class PeakMemory(threading.Thread):
             time.sleep(0.2)
 
 
-def end_to_end(images: Path, out: Path, decode: str, args, report: Path, ranks: int = 1, open_shards: int = 2) -> dict:
+def end_to_end(images: Path, out: Path, decode: str, args, report: Path, ranks: int, open_shards: int) -> dict:
     """`lumenbridge tokenize` of the images that `images`, a file list, names; with
     ranks > 1, that many torchrun processes share the GPU and the --workers."""
     launcher = ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"] if ranks > 1 else []
@@ -313,14 +313,16 @@ def main() -> int:
         "--runs",
         nargs="+",
         type=run_spec,
-        default=[(1, 2)],
+        default=None,
         metavar="RxW",
         help="the --decode gpu end-to-end runs, each as R processes on the one GPU (torchrun; the --workers "
-        "split between them) with W --open-shards each (default: 1x2)",
+        "split between them) with W --open-shards each (default: one process with tokenize's default)",
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     import torch
+
+    from lumenbridge.cli import DEFAULT_OPEN_SHARDS
 
     if not torch.cuda.is_available():
         print("bench_pipeline: needs a CUDA GPU", file=sys.stderr)
@@ -370,7 +372,7 @@ def main() -> int:
         print(json.dumps(results["decode_only"], indent=1), flush=True)
         save()
         results["end_to_end"] = {}
-        for ranks, open_shards in args.runs:
+        for ranks, open_shards in args.runs or [(1, DEFAULT_OPEN_SHARDS)]:
             name = f"gpu_{ranks}x{open_shards}"
             results["end_to_end"][name] = run = end_to_end(
                 listed, scratch / "tokens-gpu", "gpu", args, scratch / "report-gpu.json", ranks, open_shards
@@ -389,7 +391,7 @@ def main() -> int:
             save()
         if not (args.quick or args.skip_cpu_e2e):
             results["end_to_end"]["cpu"] = end_to_end(
-                listed, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json"
+                listed, scratch / "tokens-cpu", "cpu", args, scratch / "report-cpu.json", 1, DEFAULT_OPEN_SHARDS
             )
             save()
     finally:

@@ -84,9 +84,10 @@ reason and skipped. Transparent pixels are composited onto --background.
 
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
-workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize and crop) and nvJPEG's set-up
-on its first call (while the run plans), transfer (host to GPU and back), tokenize (the model) and write (summed over the
---open-shards writers).
+workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize
+and crop) and nvJPEG's set-up on its first call (while the run plans),
+transfer (host to GPU and back), tokenize (the model) and write (summed over
+the --open-shards writers).
 """
 
 EXIT_CODES_HELP = """\

@@ -174,6 +174,10 @@ def test_bfloat16_shards_and_a_report(tmp_path, images):
     assert numbers["images"] == 12 and numbers["shards"] == 1 and numbers["processes"] == 1
     assert set(numbers["seconds"]) == set(cli.TIME_PARTS)
     assert 0 < numbers["tokenize_share_of_wall"] < 1
+    rank = numbers["per_rank"][0]
+    assert (
+        0 < rank["first_batch"] and 0 < rank["last_writes"] and rank["first_batch"] + rank["last_writes"] < rank["wall"]
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "POSIX_FADV_DONTNEED"), reason="posix_fadvise is a Linux/POSIX call")

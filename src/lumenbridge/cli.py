@@ -700,6 +700,8 @@ TIME_PARTS = (
     "write",
     "input_wait",
     "read_wait",
+    "first_batch",
+    "last_writes",
 )
 
 
@@ -749,7 +751,8 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str, de
         f"decode {seconds['decode']:.1f} (in the workers), {gpu_parts}"
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
-        f"waiting for decoded images {seconds['input_wait']:.1f}"
+        f"waiting for decoded images {seconds['input_wait']:.1f}; first batch ready after "
+        f"{seconds['first_batch']:.1f}, last writes {seconds['last_writes']:.1f}"
     )
     print(f"index: {os.path.join(out, 'index.jsonl')}")
     if result.repeated_keys.example is not None:

@@ -254,6 +254,8 @@ class Stats:
     write: float = 0.0  # writing shards: rows, fsync, renames
     input_wait: float = 0.0  # the model's thread waiting for decoded images
     read_wait: float = 0.0  # with --decode gpu: the decoding thread waiting for the workers' bytes
+    first_batch: float = 0.0  # from the start to the first batch ready for the model (the workers' start included)
+    last_writes: float = 0.0  # from the last batch's hand-over to the writers' end (the last rows and commits)
     wall: float = 0.0
 
     def as_dict(self) -> dict:
@@ -501,6 +503,8 @@ def tokenize_shards(
     try:
         with torch.inference_mode():
             for batch, prepared in zip(schedule, prepared_batches, strict=True):
+                if not stats.first_batch:
+                    stats.first_batch = time.perf_counter() - started
                 shard_writer = unfinished.get(batch.shard)
                 if shard_writer is None:
                     shard_writer = _open_shard(options, batch.shard, shard_count, len(plan), shape, metadata)
@@ -516,8 +520,10 @@ def tokenize_shards(
                 progress_update(len(prepared.batch.indices))
                 if timer is not None:
                     timer.collect(stats)
+        handed_over = time.perf_counter()
         for writer_thread in writers:
             writer_thread.close()
+        stats.last_writes = time.perf_counter() - handed_over
     except BaseException:
         for writer_thread in writers:
             writer_thread.stop()  # first: no thread may write a shard once it is aborted, or DIR after the run

@@ -99,6 +99,19 @@ def profiled_tokenize(listed: Path, out: Path, report: Path, profile: Path, top:
     return listing.read_text()
 
 
+def machine() -> dict:
+    import torch
+    import torchvision
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for bench_start.json and the profile")
@@ -121,7 +134,8 @@ def main() -> int:
     finally:
         if not args.data:
             shutil.rmtree(scratch, ignore_errors=True)
-    (out / "bench_start.json").write_text(json.dumps({"steps": steps, "process": process}, indent=2) + "\n")
+    record = {"machine": machine(), "steps": steps, "process": process}
+    (out / "bench_start.json").write_text(json.dumps(record, indent=2) + "\n")
     print(profile)
     for name, seconds in steps.items():
         print(f"  {name:<40} {seconds:6.2f} s (alone, from a fresh interpreter)")

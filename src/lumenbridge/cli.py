@@ -85,9 +85,10 @@ reason and skipped. Transparent pixels are composited onto --background.
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
 workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize
-and crop) and nvJPEG's set-up on its first call (while the run plans),
-transfer (host to GPU and back), tokenize (the model) and write (summed over
-the --open-shards writers).
+and crop) and nvJPEG's set-up on its first call (while the model loads and
+the run plans), transfer (host to GPU and back), tokenize (the model), write
+(summed over the --open-shards writers), the model's wait for decoded images,
+when the first batch was ready and how long the last writes took.
 """
 
 EXIT_CODES_HELP = """\
@@ -615,10 +616,13 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
         return fail(error)
     except OSError as error:  # writing the expanded inputs in DIR (the expansion's own errors are usage errors)
         return fail(OutputError(f"cannot write {args.out}: {error}"))
+    warm_up = None
     try:
         device = rank_device(resolve_device(args.device), group)
         if args.decode == "gpu":
             check_gpu_decode(device)
+            # nvJPEG's set-up (about a second) overlaps the model's loading and the planning; `held` joins it.
+            warm_up = held.enter_context(pipeline.decoder_warm_up(device))
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
     except (UsageError, OutputError) as error:
@@ -655,6 +659,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
             overwrite=args.overwrite,
             allow_mixed=args.allow_mixed,
             group=group,
+            warm_up=warm_up,
         )
     except OutputError as error:
         return fail(error)
@@ -742,7 +747,7 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str, de
     )
     gpu_parts = (
         f"gpu decode {seconds['gpu_decode']:.1f} (nvJPEG {seconds['gpu_jpeg']:.1f}, "
-        f"resize and crop {seconds['gpu_resize']:.1f}), nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while planning), "
+        f"resize and crop {seconds['gpu_resize']:.1f}), nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while loading and planning), "
         if decode == "gpu"
         else ""
     )

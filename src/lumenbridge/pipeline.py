@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -179,11 +179,12 @@ def _warm_up_decoder(device: torch.device) -> None:
 
 
 class DecoderWarmUp(threading.Thread):
-    """nvJPEG's set-up on its first call (a second or so), begun as the run
-    starts so that it overlaps planning; finished before the DataLoader forks
-    its workers, which must not copy the process in the middle of it. It
-    decodes on a stream of its own, as the decoding thread does (see
-    gpu_decode's note on nvJPEG), not on the one the model's dry run uses."""
+    """nvJPEG's set-up on its first call (a second or so), begun as soon as the
+    device is known so that it overlaps the model's loading and the planning;
+    finished before the DataLoader forks its workers, which must not copy the
+    process in the middle of it. It decodes on a stream of its own, as the
+    decoding thread does (see gpu_decode's note on nvJPEG), not on the one the
+    model's dry run uses."""
 
     def __init__(self, device: torch.device):
         super().__init__(daemon=True, name="lumenbridge-decoder-warm-up")
@@ -207,6 +208,17 @@ class DecoderWarmUp(threading.Thread):
         stats.gpu_warmup = self.seconds
         if self.error is not None:
             raise self.error
+
+
+@contextlib.contextmanager
+def decoder_warm_up(device: torch.device) -> Iterator[DecoderWarmUp]:
+    """A DecoderWarmUp begun now and joined on the way out, whatever ended the
+    block: no thread of the run is left running past it."""
+    warm_up = DecoderWarmUp(device)
+    try:
+        yield warm_up
+    finally:
+        warm_up.join()
 
 
 def decode_on_cpu(data: bytes, image_size: int, resize: int, max_pixels: int, background) -> torch.Tensor:
@@ -247,7 +259,7 @@ class Stats:
     decode: float = 0.0  # CPU reading and decoding, summed over the workers
     gpu_decode: float = 0.0  # GPU decoding, orientation, resize and crop (the decoding thread's time)
     gpu_jpeg: float = 0.0  # of which in nvJPEG's batched decode call
-    gpu_warmup: float = 0.0  # nvJPEG's set-up on its first call (a second or so), while the run plans
+    gpu_warmup: float = 0.0  # nvJPEG's set-up on its first call (a second or so), beside loading and planning
     gpu_resize: float = 0.0  # of which in the resize and crop (issuing it, and waiting for it before the next batch)
     transfer: float = 0.0  # host-to-device images and device-to-host tokens
     tokenize: float = 0.0  # the model
@@ -902,21 +914,14 @@ def run(
     overwrite: bool,
     allow_mixed: bool,
     group: Group,
+    warm_up: DecoderWarmUp | None = None,
 ) -> RunResult:
     """Plans the inputs (that rank 0 expanded: `planned`), checks or starts DIR,
     tokenizes this rank's share of the missing shards and, on rank 0, waits
     for every rank and writes the index. `digest` is weights_digest of the
     weights as loaded, before the cast to options.dtype (which the manifest
-    records apart)."""
-    warm_up = DecoderWarmUp(options.device) if options.decode == "gpu" else None
-    try:
-        return _plan_and_tokenize(model, planned, options, weights, digest, overwrite, allow_mixed, group, warm_up)
-    finally:
-        if warm_up is not None:
-            warm_up.join()  # never left running past the run, whatever ended it
-
-
-def _plan_and_tokenize(model, planned, options, weights, digest, overwrite, allow_mixed, group, warm_up):
+    records apart). `warm_up`: with --decode gpu, nvJPEG's set-up that the
+    caller began (decoder_warm_up); without it the first batch's decode does it."""
     import hashlib
     import json
 

@@ -180,6 +180,13 @@ def test_bfloat16_shards_and_a_report(tmp_path, images):
     )
 
 
+def test_the_batch_size_is_256_on_cuda_and_32_elsewhere_unless_given(tmp_path, images):
+    assert tokenize(*images, "--out", tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())
+    assert manifest["execution"]["batch_size"] == 32
+    assert cli.default_batch_size(torch.device("cuda")) == 256
+
+
 @pytest.mark.skipif(not hasattr(os, "POSIX_FADV_DONTNEED"), reason="posix_fadvise is a Linux/POSIX call")
 def test_rows_start_their_writeback_as_they_are_written(tmp_path, monkeypatch):
     """Each write asks the kernel to start writing back exactly the bytes it

@@ -62,20 +62,32 @@ def step_seconds(code: str, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        subprocess.run(python("-c", code), env=environment(), check=True, capture_output=True)
+        run_python(["-c", code])
         best = min(best, time.perf_counter() - started)
     return best
 
 
-def tokenize_command(listed: Path, out: Path, report: Path) -> list[str]:
-    return ["-m", "lumenbridge", "tokenize", str(listed), "--out", str(out), "--decode", "gpu", "--report", str(report)]
+def tokenize_command(listed: Path, out: Path, report: Path, batch_size: int) -> list[str]:
+    return [
+        *("-m", "lumenbridge", "tokenize", str(listed), "--out", str(out), "--decode", "gpu"),
+        *("--batch-size", str(batch_size), "--report", str(report)),
+    ]
 
 
-def timed_tokenize(listed: Path, out: Path, report: Path) -> dict:
+def run_python(arguments: list[str]) -> None:
+    """Runs a child interpreter; its stderr is printed if it fails."""
+    try:
+        subprocess.run(python(*arguments), env=environment(), check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as error:
+        print(error.stderr, file=sys.stderr)
+        raise
+
+
+def timed_tokenize(command: list[str], out: Path, report: Path) -> dict:
     """The process's seconds before its run, in it and after it (the report is written as the run ends)."""
     shutil.rmtree(out, ignore_errors=True)
     started = time.time()
-    subprocess.run(python(*tokenize_command(listed, out, report)), env=environment(), check=True, capture_output=True)
+    run_python(command)
     ended = time.time()
     wall = json.loads(report.read_text())["wall_seconds"]
     reported = report.stat().st_mtime
@@ -88,10 +100,9 @@ def timed_tokenize(listed: Path, out: Path, report: Path) -> dict:
     }
 
 
-def profiled_tokenize(listed: Path, out: Path, report: Path, profile: Path, top: int) -> str:
+def profiled_tokenize(command: list[str], out: Path, profile: Path, top: int) -> str:
     shutil.rmtree(out, ignore_errors=True)
-    command = python("-m", "cProfile", "-o", str(profile), *tokenize_command(listed, out, report))
-    subprocess.run(command, env=environment(), check=True, capture_output=True)
+    run_python(["-m", "cProfile", "-o", str(profile), *command])
     shutil.rmtree(out, ignore_errors=True)
     listing = Path(str(profile) + ".txt")
     with listing.open("w") as stream:
@@ -118,23 +129,28 @@ def main() -> int:
     parser.add_argument("--data", help="folder of JPEGs (made if missing; default: a temporary folder, removed)")
     parser.add_argument("--images", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=256, help="tokenize's --batch-size (default: 256)")
     parser.add_argument("--top", type=int, default=40, help="functions listed from the profile")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(args.data).resolve() if args.data else Path(tempfile.mkdtemp(prefix="lumenbridge-start-"))
+    tokens = TMPFS / "lumenbridge-start"
     try:
         write_images(scratch / "images", args.images, 16)
         listed = scratch / f"images-{args.images}.txt"
         listed.write_text("".join(f"{path}\n" for path in image_files(scratch / "images")[: args.images]))
         steps = {name: step_seconds(code, args.repeats) for name, code in STEPS.items()}
-        tokens, report = TMPFS / "lumenbridge-start", scratch / "report-start.json"
-        process = timed_tokenize(listed, tokens, report)
-        profile = profiled_tokenize(listed, tokens, report, out / "bench_start.prof", args.top)
+        report = scratch / "report-start.json"
+        command = tokenize_command(listed, tokens, report, args.batch_size)
+        process = timed_tokenize(command, tokens, report)
+        profile = profiled_tokenize(command, tokens, out / "bench_start.prof", args.top)
     finally:
+        shutil.rmtree(tokens, ignore_errors=True)
         if not args.data:
             shutil.rmtree(scratch, ignore_errors=True)
-    record = {"machine": machine(), "steps": steps, "process": process}
+    named = " ".join(command).replace(str(scratch), "DATA").replace(str(tokens), "SHM")
+    record = {"machine": machine(), "command": named, "steps": steps, "process": process}
     (out / "bench_start.json").write_text(json.dumps(record, indent=2) + "\n")
     print(profile)
     for name, seconds in steps.items():

@@ -180,11 +180,72 @@ def test_bfloat16_shards_and_a_report(tmp_path, images):
     )
 
 
-def test_the_batch_size_is_256_on_cuda_and_32_elsewhere_unless_given(tmp_path, images):
-    assert tokenize(*images, "--out", tmp_path / "out") == 0
-    manifest = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())
-    assert manifest["execution"]["batch_size"] == 32
-    assert cli.default_batch_size(torch.device("cuda")) == 256
+def test_the_batch_size_has_a_default_per_decode_mode_unless_given(tmp_path, images, monkeypatch):
+    assert (cli.default_batch_size("gpu"), cli.default_batch_size("cpu")) == (256, 32)  # as --help says
+    monkeypatch.setattr(cli, "default_batch_size", lambda decode: 5)
+    batches = []
+    tokenize_files = cli.tokenize_files
+    monkeypatch.setattr(
+        cli, "tokenize_files", lambda *a, **k: batches.append(k["batch_size"]) or tokenize_files(*a, **k)
+    )
+    for given, out in ([], "default"), (["--batch-size", "7"], "given"):
+        assert tokenize(*images, "--out", tmp_path / out, *given) == 0
+        assert tokenize(*images, "--out", tmp_path / f"{out}.safetensors", *given) == 0
+    recorded = [json.loads((tmp_path / out / shards.MANIFEST).read_text()) for out in ("default", "given")]
+    assert [manifest["execution"]["batch_size"] for manifest in recorded] == [5, 7]
+    assert batches == [5, 7]
+
+
+def test_the_delays_are_the_slowest_process_and_the_times_sums(tmp_path):
+    """first_batch and last_writes happen within each process: the summary gives
+    the slowest's, where the other parts add up over the processes."""
+    from types import SimpleNamespace
+
+    ranks = [
+        pipeline.Stats(images=4, input_wait=0.5, first_batch=0.8, last_writes=0.1, wall=2.0).as_dict(),
+        pipeline.Stats(images=4, input_wait=0.25, first_batch=0.5, last_writes=0.3, wall=2.0).as_dict(),
+    ]
+    result = SimpleNamespace(
+        images=8, skipped=0, images_this_run=8, shards=2, shards_written=2, shards_before=0, world=2, wall=2.5,
+        stats=ranks, row_shape=[4, 8],
+    )  # fmt: skip
+    numbers = cli.summary_numbers(result)
+    assert numbers["delays"] == {"first_batch": 0.8, "last_writes": 0.3}
+    assert numbers["seconds"]["input_wait"] == 0.75
+
+
+def test_the_decoder_warm_up_is_joined_whatever_ends_its_block(monkeypatch):
+    """The warm-up begins as the block starts and has ended once the block is
+    left, by an error too; finish() hands its time to the stats and raises its
+    own error."""
+    release = threading.Event()
+
+    def warm_up(device):
+        release.wait(5)
+        raise RuntimeError("nvJPEG said no")
+
+    monkeypatch.setattr(pipeline, "_warm_up_decoder", warm_up)
+    timer = threading.Timer(0.3, release.set)  # only after the block has been left
+    with pytest.raises(ValueError), pipeline.decoder_warm_up(torch.device("cpu")) as thread:
+        timer.start()
+        raise ValueError("the model did not load")
+    assert release.is_set() and not thread.is_alive()
+    stats = pipeline.Stats()
+    with pytest.raises(RuntimeError, match="nvJPEG said no"):
+        thread.finish(stats)
+    assert stats.gpu_warmup > 0
+
+
+def test_a_model_that_fails_to_load_leaves_no_warm_up_running(tmp_path, images, monkeypatch, capsys):
+    """--decode gpu begins nvJPEG's set-up before the model loads; a bad
+    --weights ends the command with the warm-up joined (here on the CPU, the
+    GPU check and the decoder replaced)."""
+    monkeypatch.setattr(cli, "check_gpu_decode", lambda device: None)
+    monkeypatch.setattr(pipeline, "_warm_up_decoder", lambda device: time.sleep(0.5))
+    code = cli.main(["tokenize", *map(str, images), "--out", str(tmp_path / "out"), "--decode", "gpu",
+                     "--device", "cpu", "--weights", str(tmp_path / "missing")])  # fmt: skip
+    assert code == cli.EXIT_USAGE and "cannot load --weights" in capsys.readouterr().err
+    assert not [thread for thread in threading.enumerate() if thread.name == "lumenbridge-decoder-warm-up"]
 
 
 @pytest.mark.skipif(not hasattr(os, "POSIX_FADV_DONTNEED"), reason="posix_fadvise is a Linux/POSIX call")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 
 import numpy as np
 import pytest
@@ -230,26 +229,3 @@ def test_nvjpeg_decode_resize_on_cuda_matches_the_cpu():
     on_cpu = crop_resize(decode_jpegs(data[:3], torch.device("cpu")), 32, 37)
     assert on_gpu.device.type == "cuda"
     assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean() < 3
-
-
-def test_the_decoder_warm_up_is_joined_whatever_ends_its_block(monkeypatch):
-    """The warm-up begins as the block starts and has ended once it is left, by an
-    error too; finish() hands its time to the stats and raises its own error."""
-    from lumenbridge import pipeline
-
-    release = threading.Event()
-
-    def warm_up(device):
-        release.wait(5)
-        raise RuntimeError("nvJPEG said no")
-
-    monkeypatch.setattr(pipeline, "_warm_up_decoder", warm_up)
-    with pytest.raises(ValueError), pipeline.decoder_warm_up(torch.device("cpu")) as thread:
-        assert thread.is_alive()
-        release.set()
-        raise ValueError("the model did not load")
-    assert not thread.is_alive()
-    stats = pipeline.Stats()
-    with pytest.raises(RuntimeError, match="nvJPEG said no"):
-        thread.finish(stats)
-    assert stats.gpu_warmup > 0

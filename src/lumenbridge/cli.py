@@ -85,10 +85,11 @@ reason and skipped. Transparent pixels are composited onto --background.
 At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
 workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize
-and crop) and nvJPEG's set-up on its first call (while the model loads and
-the run plans), transfer (host to GPU and back), tokenize (the model), write
+and crop) and nvJPEG's set-up on its first call (once the inputs are listed,
+beside the model's loading and the rest of the planning), transfer (host to GPU and back), tokenize (the model), write
 (summed over the --open-shards writers), the model's wait for decoded images,
-when the first batch was ready and how long the last writes took.
+and, for the slowest process, when its first batch was ready and how long its
+last writes took.
 """
 
 EXIT_CODES_HELP = """\
@@ -352,11 +353,12 @@ def is_directory_output(out: str) -> bool:
     return not os.path.lexists(out) and not out.lower().endswith(".safetensors")
 
 
-def default_batch_size(device: torch.device) -> int:
-    """256 on CUDA, as the benchmarks run: the per-batch costs (the decoding thread's
-    reads of the workers' bytes, the model's launches) spread over more images. 32
-    elsewhere, where a batch's images and tokens take host memory."""
-    return 256 if device.type == "cuda" else 32
+def default_batch_size(decode: str) -> int:
+    """256 with --decode gpu, as the pipeline's benchmarks run: the decoding thread's
+    reads of the workers' bytes and the model's launches cost per batch. 32 otherwise,
+    where a batch's decoded images (and, with --max-tokens, its native-resolution
+    activations) grow with it."""
+    return 256 if decode == "gpu" else 32
 
 
 def default_dtype(device: torch.device) -> str:
@@ -480,7 +482,7 @@ def run_tokenize_packed(
 
 
 def check_common(args: argparse.Namespace) -> None:
-    if args.batch_size is not None and args.batch_size < 1:
+    if args.batch_size < 1:
         raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
     if args.workers is not None and args.workers < 0:
         raise UsageError(f"--workers must be zero or more, got {args.workers}")
@@ -506,6 +508,8 @@ def prepare_model(args, device: torch.device):
 def run_tokenize(args: argparse.Namespace) -> int:
     from lumenbridge.distributed import Group
 
+    if args.batch_size is None:
+        args.batch_size = default_batch_size(args.decode)
     if is_directory_output(args.out):
         return run_tokenize_sharded(args, Group())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -522,7 +526,6 @@ def run_tokenize(args: argparse.Namespace) -> int:
         paths = input_paths(args.paths)
         check_output_path(args.out, [*paths, *named_files(args.paths)], args.overwrite)
         device = resolve_device(args.device)
-        args.batch_size = args.batch_size or default_batch_size(device)
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
     except UsageError as error:
@@ -629,7 +632,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
         device = rank_device(resolve_device(args.device), group)
         if args.decode == "gpu":
             check_gpu_decode(device)
-            # nvJPEG's set-up (about a second) overlaps the model's loading and the planning; `held` joins it.
+            # nvJPEG's set-up (about a second) overlaps the model's loading and the rest of the planning; `held` joins it.
             warm_up = held.enter_context(pipeline.decoder_warm_up(device))
         backend = selected_backend(device, args.backend)
         model, weights, image_size, resize, background, dtype_name = prepare_model(args, device)
@@ -643,7 +646,7 @@ def tokenize_sharded(args: argparse.Namespace, group, held: contextlib.ExitStack
         out=args.out,
         shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
         open_shards=args.open_shards or DEFAULT_OPEN_SHARDS,
-        batch_size=args.batch_size or default_batch_size(device),
+        batch_size=args.batch_size,
         workers=default_workers(group) if args.workers is None else args.workers,
         decode=args.decode,
         image_size=image_size,
@@ -713,9 +716,9 @@ TIME_PARTS = (
     "write",
     "input_wait",
     "read_wait",
-    "first_batch",
-    "last_writes",
 )
+# Delays within each process's run, reported for the slowest process rather than summed.
+DELAYS = ("first_batch", "last_writes")
 
 
 def summary_numbers(result) -> dict:
@@ -735,6 +738,7 @@ def summary_numbers(result) -> dict:
         "images_per_second": rate,
         "images_per_second_per_process": rate / result.world,
         "seconds": totals,
+        "delays": {name: max(stats[name] for stats in result.stats) for name in DELAYS},
         "tokenize_share_of_wall": totals["tokenize"] / rank_seconds,
         "per_rank": result.stats,
         "token_shape": result.row_shape,
@@ -755,7 +759,7 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str, de
     )
     gpu_parts = (
         f"gpu decode {seconds['gpu_decode']:.1f} (nvJPEG {seconds['gpu_jpeg']:.1f}, "
-        f"resize and crop {seconds['gpu_resize']:.1f}), nvJPEG's set-up {seconds['gpu_warmup']:.1f} (while loading and planning), "
+        f"resize and crop {seconds['gpu_resize']:.1f}), nvJPEG's set-up {seconds['gpu_warmup']:.1f} (beside loading and planning), "
         if decode == "gpu"
         else ""
     )
@@ -764,8 +768,8 @@ def print_sharded_summary(result, out: str, device, backend: str, dtype: str, de
         f"decode {seconds['decode']:.1f} (in the workers), {gpu_parts}"
         f"transfer {seconds['transfer']:.1f}, tokenize {seconds['tokenize']:.1f} "
         f"({100 * numbers['tokenize_share_of_wall']:.0f}% of wall), write {seconds['write']:.1f}; "
-        f"waiting for decoded images {seconds['input_wait']:.1f}; first batch ready after "
-        f"{seconds['first_batch']:.1f}, last writes {seconds['last_writes']:.1f}"
+        f"waiting for decoded images {seconds['input_wait']:.1f}; in the slowest process, first batch ready "
+        f"after {numbers['delays']['first_batch']:.1f}, last writes {numbers['delays']['last_writes']:.1f}"
     )
     print(f"index: {os.path.join(out, 'index.jsonl')}")
     if result.repeated_keys.example is not None:
@@ -931,7 +935,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and write packed 'tokens' [sum of N_i, D] with 'cu_seqlens' and 'grid_hw'",
     )
     tokenize.add_argument(
-        "--batch-size", type=int, help="images per batch (default: 256 on a CUDA device, 32 elsewhere)"
+        "--batch-size",
+        type=int,
+        help="images per batch (default: 256 with --decode gpu, 32 otherwise; a DIR begun with another "
+        "batch size continues only with --allow-mixed)",
     )
     tokenize.add_argument(
         "--workers",

@@ -315,6 +315,19 @@ class Timer:
             self.pending = keep
 
 
+@contextlib.contextmanager
+def timed(holder, attribute: str, mark: str | None = None) -> Iterator[None]:
+    """Adds the block's seconds to holder.<attribute>, and marks the block as
+    lumenbridge.<mark or attribute> for torch.profiler, whose timeline of
+    every thread (scripts/trace_pipeline.py) shows where each one waits."""
+    with torch.profiler.record_function(f"lumenbridge.{mark or attribute}"):
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(holder, attribute, getattr(holder, attribute) + time.perf_counter() - begun)
+
+
 class Writer(threading.Thread):
     """Writes rows and commits shards in the order they are queued. Several
     run at once, each on its own shards: writes to one file do not run in
@@ -344,16 +357,15 @@ class Writer(threading.Thread):
                 elif kind == "rows":
                     tokens, ready, _ = payload
                     if ready is not None:
-                        ready.synchronize()
-                    started = time.perf_counter()
-                    writer.write_rows(tokens)
-                    self.seconds += time.perf_counter() - started
+                        with torch.profiler.record_function("lumenbridge.copy_wait"):
+                            ready.synchronize()
+                    with timed(self, "seconds", "write_rows"):
+                        writer.write_rows(tokens)
                     _maybe_kill("write", writer.metadata["shard_index"])
                 elif kind == "commit":
-                    started = time.perf_counter()
                     shard = writer.metadata["shard_index"]
-                    writer.commit(before_rename=lambda shard=shard: _maybe_kill("commit", shard))
-                    self.seconds += time.perf_counter() - started
+                    with timed(self, "seconds", "commit"):
+                        writer.commit(before_rename=lambda shard=shard: _maybe_kill("commit", shard))
                     self.shards += 1
                     _maybe_kill("after", shard)
             except BaseException as error:  # noqa: BLE001 - reported by the main thread
@@ -594,9 +606,8 @@ def _record(writer: shards.ShardWriter, prepared: Prepared, plan, options: Optio
 
 def _tokenize(model, prepared, writer, writer_thread, stats, timer, compute, d2h, pool) -> None:
     if compute is None:  # on the CPU
-        begun = time.perf_counter()
-        tokens = model(prepared.pixels)
-        stats.tokenize += time.perf_counter() - begun
+        with timed(stats, "tokenize"):
+            tokens = model(prepared.pixels)
         writer_thread.put(("rows", writer, (tokens, None, None)))
         return
     if prepared.ready is not None:
@@ -605,7 +616,8 @@ def _tokenize(model, prepared, writer, writer_thread, stats, timer, compute, d2h
     tokens = model(prepared.pixels)
     end.record(compute)
     done()
-    buffer = pool.take()
+    with torch.profiler.record_function("lumenbridge.buffer_wait"):
+        buffer = pool.take()
     rows = buffer[: tokens.shape[0]]
     d2h.wait_stream(compute)
     with torch.cuda.stream(d2h):
@@ -644,9 +656,8 @@ class _Prepare:
                 yield self._upload(batch)
             return
         while True:
-            begun = time.perf_counter()
-            item = self.ready.get()
-            self.stats.input_wait += time.perf_counter() - begun
+            with timed(self.stats, "input_wait"):
+                item = self.ready.get()
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -658,12 +669,11 @@ class _Prepare:
         the workers' decode time to stats.decode."""
         iterator = iter(batches)
         while True:
-            begun = time.perf_counter()
             try:
-                batch = next(iterator)
+                with timed(self.stats, wait):
+                    batch = next(iterator)
             except StopIteration:
                 return
-            setattr(self.stats, wait, getattr(self.stats, wait) + time.perf_counter() - begun)
             self.stats.decode += batch.seconds
             yield batch
 
@@ -695,18 +705,22 @@ class _Prepare:
                 for batch in self._timed(self.batches, "read_wait"):
                     if self.stop.is_set():
                         return
-                    begun = time.perf_counter()
-                    prepared = self._decode(batch, stream)
-                    self.stats.gpu_decode += time.perf_counter() - begun
-                    while not self.stop.is_set():
-                        try:
-                            self.ready.put(prepared, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    with timed(self.stats, "gpu_decode"):
+                        prepared = self._decode(batch, stream)
+                    self._hand_over(prepared)
             self.ready.put(None)
         except BaseException as error:  # noqa: BLE001 - re-raised in the model's thread
             self.ready.put(error)
+
+    def _hand_over(self, prepared: Prepared) -> None:
+        """Queues a decoded batch for the model, unless the run stops first."""
+        with torch.profiler.record_function("lumenbridge.hand_over"):
+            while not self.stop.is_set():
+                try:
+                    self.ready.put(prepared, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
 
     def _decode(self, batch: Batch, stream) -> Prepared:
         from .gpu_decode import _on, crop_resize, decode_jpegs, orient
@@ -718,12 +732,10 @@ class _Prepare:
         if stream is not None:
             # The previous batch's resize may still run on this stream; decode_jpegs waits for it first,
             # so the wait is the resize's time, not nvJPEG's.
-            begun = time.perf_counter()
-            stream.synchronize()
-            self.stats.gpu_resize += time.perf_counter() - begun
-        begun = time.perf_counter()
-        decoded = dict(zip(data, decode_jpegs(list(data.values()), device), strict=True))
-        self.stats.gpu_jpeg += time.perf_counter() - begun
+            with timed(self.stats, "gpu_resize", "resize_wait"):
+                stream.synchronize()
+        with timed(self.stats, "gpu_jpeg"):
+            decoded = dict(zip(data, decode_jpegs(list(data.values()), device), strict=True))
         good, failures, on_gpu, on_cpu = [], [], [], []
         cpu_pixels = iter(batch.pixels) if batch.pixels is not None else iter(())
         for item in batch.items:
@@ -750,9 +762,8 @@ class _Prepare:
             return Prepared(batch, good, failures, None, None)
         pixels = torch.empty((len(good), 3, options.image_size, options.image_size), dtype=torch.uint8, device=device)
         if on_gpu:
-            begun = time.perf_counter()
-            resized = crop_resize([image for _, image in on_gpu], options.image_size, options.resize)
-            self.stats.gpu_resize += time.perf_counter() - begun
+            with timed(self.stats, "gpu_resize"):
+                resized = crop_resize([image for _, image in on_gpu], options.image_size, options.resize)
             pixels.index_copy_(0, _on(device, [p for p, _ in on_gpu], torch.int64), resized)
         if on_cpu:
             host = torch.stack([image for _, image in on_cpu])

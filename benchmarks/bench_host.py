@@ -1,7 +1,8 @@
 """Host time of one VisualTokenizer forward before its op runs: the input
-checks, the backend's choice and the op's argument list. At small batches
-the GPU waits for this part of every eager call, so it is measured alone,
-with torch.ops.lumenbridge.tokenize replaced by a stub that returns at once.
+checks, the backend's choice, the check that the modules are still the
+config's and the op's argument list. At small batches the GPU waits for
+this part of every eager call, so it is measured alone, with
+torch.ops.lumenbridge.tokenize replaced by a stub that returns at once.
 
 Runs on any machine with the built extension (the CPU build is enough):
 lumenbridge-base, one uint8 channels-last image of 224², inference mode.
@@ -21,7 +22,7 @@ import types
 import torch
 
 from lumenbridge import VisualTokenizer, native
-from lumenbridge.dispatch import select_backend
+from lumenbridge.dispatch import NativeBackend, select_backend
 from lumenbridge.layout import is_channels_last
 
 
@@ -52,6 +53,7 @@ def main() -> None:
         "backend choice (select_backend)": lambda: select_backend(
             images.device, model.backend, channels_last=is_channels_last(images)
         ),
+        "layer check (NativeBackend.layer_reason)": lambda: NativeBackend.layer_reason(images, model),
         "op arguments (native.tokenize_arguments)": lambda: native.tokenize_arguments(images, model),
     }
     real_ops = native.ops

@@ -46,6 +46,14 @@ def _is_config_layer_norm(module: nn.Module, kind: type) -> bool:
     )
 
 
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """module.<name>, a submodule, read from the module's table: nn.Module's
+    attribute lookup costs about a microsecond, and every forward checks a
+    dozen submodules (edited_module). The normal lookup where the table lacks it."""
+    found = module._modules.get(name)
+    return found if found is not None else getattr(module, name)
+
+
 def _is_config_stage_norm(module: nn.Module, name: str) -> bool:
     """Whether module still computes the config's stage norm `name`: the
     LayerNorm above; a BatchNorm (SyncBatchNorm too, which DDP training swaps
@@ -275,11 +283,12 @@ class VisualTokenizer(nn.Module):
         token_norm = self._modules["token_norm"]
         if not (_is_config_layer_norm(token_norm, nn.LayerNorm) if cfg.token_norm else type(token_norm) is nn.Identity):
             return f"token_norm is {token_norm!r}, not the config's"
-        for index, stage in enumerate(self._modules["stages"]):
-            if not _is_config_stage_norm(stage.norm, cfg.stage_norm):
-                return f"stage {index}'s norm is {stage.norm!r}, not the config's {cfg.stage_norm!r}"
-            if stage.dw.stride != (cfg.strides[index],) * 2:
-                return f"stage {index}'s depthwise stride is {stage.dw.stride}, not the config's {cfg.strides[index]}"
+        for index, stage in enumerate(self._modules["stages"]._modules.values()):
+            norm, stride = _submodule(stage, "norm"), _submodule(stage, "dw").stride
+            if not _is_config_stage_norm(norm, cfg.stage_norm):
+                return f"stage {index}'s norm is {norm!r}, not the config's {cfg.stage_norm!r}"
+            if stride != (cfg.strides[index],) * 2:
+                return f"stage {index}'s depthwise stride is {stride}, not the config's {cfg.strides[index]}"
         return None
 
     def forward_layers(self, images: torch.Tensor, backend: str) -> torch.Tensor:

@@ -287,14 +287,20 @@ def _class_defines(cls: type, name: str) -> bool:
     return any(name in klass.__dict__ for klass in cls.__mro__)
 
 
+# The classes the model builds its convolutions and token norm from, which
+# define neither `weight` nor `bias` themselves (asking _class_defines costs
+# as much as reading the table).
+_PLAIN_CLASSES = frozenset({torch.nn.Conv2d, torch.nn.LayerNorm})
+
+
 def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     """module.<name>, read from the module's parameter table where that is what
     the attribute returns: nn.Module's attribute lookup costs microseconds,
-    and a forward reads 18 of them. A parametrized name is not in the table,
-    and a class may define the name itself (a property); both take the normal
-    lookup."""
+    and a forward reads 18 of them. A parametrized name is not in the table
+    (and its module's class is a subclass made for it), and a class may
+    define the name itself (a property); both take the normal lookup."""
     found = module._parameters.get(name)
-    if found is None or _class_defines(type(module), name):
+    if found is None or (type(module) not in _PLAIN_CLASSES and _class_defines(type(module), name)):
         return getattr(module, name)
     return found
 

@@ -86,10 +86,10 @@ At the end a summary gives images tokenized and skipped, shards, wall time,
 images/s end to end and per process, and where the time went: decode (in the
 workers, summed), with --decode gpu GPU decode (of which nvJPEG, and resize
 and crop) and nvJPEG's set-up on its first call (once the inputs are listed,
-beside the model's loading and the rest of the planning), transfer (host to GPU and back), tokenize (the model), write
-(summed over the --open-shards writers), the model's wait for decoded images,
-and, for the slowest process, when its first batch was ready and how long its
-last writes took.
+beside the model's loading and the rest of the planning), transfer (host to
+GPU and back), tokenize (the model), write (summed over the --open-shards
+writers), the model's wait for decoded images, and, for the slowest process,
+when its first batch was ready and how long its last writes took.
 """
 
 EXIT_CODES_HELP = """\

@@ -181,11 +181,11 @@ def _warm_up_decoder(device: torch.device) -> None:
 class DecoderWarmUp(threading.Thread):
     """nvJPEG's set-up on its first call (a second or so), begun as soon as the
     device is known (the inputs are listed by then) so that it overlaps the
-    model's loading and the rest of the planning;
-    finished before the DataLoader forks its workers, which must not copy the
-    process in the middle of it. It decodes on a stream of its own, as the
-    decoding thread does (see gpu_decode's note on nvJPEG), not on the one the
-    model's dry run uses."""
+    model's loading and the rest of the planning; finished before the
+    DataLoader forks its workers, which must not copy the process in the
+    middle of it. It decodes on a stream of its own, as the decoding thread
+    does (see gpu_decode's note on nvJPEG), not on the one the model's dry run
+    uses."""
 
     def __init__(self, device: torch.device):
         super().__init__(daemon=True, name="lumenbridge-decoder-warm-up")

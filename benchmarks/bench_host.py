@@ -2,7 +2,9 @@
 checks, the backend's choice, the check that the modules are still the
 config's and the op's argument list. At small batches the GPU waits for
 this part of every eager call, so it is measured alone, with
-torch.ops.lumenbridge.tokenize replaced by a stub that returns at once.
+torch.ops.lumenbridge.tokenize replaced by a stub that returns at once; and
+then the op's own host part without a kernel (`_check_tokenize`: its
+arguments bound to the schema and the gateway's checks).
 
 Runs on any machine with the built extension (the CPU build is enough):
 lumenbridge-base, one uint8 channels-last image of 224², inference mode.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
 import time
@@ -55,6 +58,10 @@ def main() -> None:
         ),
         "layer check (NativeBackend.layer_reason)": lambda: NativeBackend.layer_reason(images, model),
         "op arguments (native.tokenize_arguments)": lambda: native.tokenize_arguments(images, model),
+        # The op's C++ entry without a kernel: the call's binding and the gateway's checks.
+        "op binding and checks (_check_tokenize)": functools.partial(
+            torch.ops.lumenbridge._check_tokenize.default, *native.tokenize_arguments(images, model)
+        ),
     }
     real_ops = native.ops
     native.ops = types.SimpleNamespace(tokenize=lambda images, *rest: images)

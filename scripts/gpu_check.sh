@@ -15,9 +15,12 @@
 #   RACECHECK_PARTS those of the slow racecheck (default: the same, less the
 #   backward, which racecheck cannot run: see below); BENCHES
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
-#   per-kernel times of a forward and of a training step, and pipeline, the
-#   tokenize command end to end); FUSED_BENCH_ARGS goes to bench_fused.py
-#   (--quick, --cases), PIPELINE_BENCH_ARGS to bench_pipeline.py (--runs).
+#   per-kernel times of a forward and of a training step, pipeline, the
+#   tokenize command end to end, and trace, a torch.profiler timeline of one
+#   tokenize run of every thread, $OUT/trace.json); FUSED_BENCH_ARGS goes to
+#   bench_fused.py (--quick, --cases), PIPELINE_BENCH_ARGS to bench_pipeline.py
+#   (--runs), TRACE_ARGS to scripts/trace_pipeline.py as tokenize's arguments
+#   (required: the images and --out; the step fails without them).
 #   PYTEST_ARGS is read with the shell's quoting, so a -k expression may hold
 #   spaces. STEP_TIMEOUT caps each step in seconds (default: 540, under the
 #   device's 10 minutes a call). Each step's line is added to $OUT/summary.txt
@@ -98,6 +101,9 @@ if [[ $parts == *" bench "* ]]; then
   # shellcheck disable=SC2086
   [[ $benches == *" pipeline "* ]] && step pipeline-benchmark python3 benchmarks/bench_pipeline.py --out "$OUT" \
     ${PIPELINE_BENCH_ARGS:-}
+  # shellcheck disable=SC2086
+  [[ $benches == *" trace "* ]] && step pipeline-trace python3 scripts/trace_pipeline.py --trace "$OUT/trace.json" -- \
+    ${TRACE_ARGS:-}
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi
 echo "== summary"

@@ -19,6 +19,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 # Stand-ins for the tools the script runs: each exits with the code named by
 # an environment variable (default 0), so a test picks which steps fail.
 STUB = """#!/bin/sh
+[ -n "${{ARGV_LOG:-}}" ] && printf '%s\\n' "$*" >>"$ARGV_LOG"
 case "$*" in
   *"-m pytest"*) [ -n "${{PYTEST_ARGV:-}}" ] && printf '%s\\n' "$@" >"$PYTEST_ARGV"; exit "${{RC_TESTS:-0}}" ;;
   *bench_*) exit "${{RC_BENCH:-0}}" ;;
@@ -66,6 +67,18 @@ def test_any_failing_step_exits_non_zero_after_running_the_rest(tmp_path, failur
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "FAILED" in summary
     assert "tokenizer-benchmark" in summary  # the last step still ran
+
+
+def test_the_trace_follows_the_pipeline_benchmark_with_its_arguments(tmp_path):
+    log = tmp_path / "argv.log"
+    arguments = "gpu_check_out/pipe/images-20000.txt --out /dev/shm/t --decode gpu"
+    run = run_script(tmp_path, "bench", BENCHES="pipeline trace", TRACE_ARGS=arguments, ARGV_LOG=str(log))
+    assert run.returncode == 0, run.stdout + run.stderr
+    calls = [line for line in log.read_text().splitlines() if "benchmarks/" in line or "scripts/" in line]
+    assert calls == [
+        f"benchmarks/bench_pipeline.py --out {tmp_path / 'out'}",
+        f"scripts/trace_pipeline.py --trace {tmp_path / 'out' / 'trace.json'} -- {arguments}",
+    ]
 
 
 def test_a_failed_build_leaves_the_summary_of_what_ran(tmp_path):

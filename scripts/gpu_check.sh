@@ -17,7 +17,7 @@
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
 #   per-kernel times of a forward and of a training step, pipeline, the
 #   tokenize command end to end, and trace, a torch.profiler timeline of one
-#   tokenize run of every thread, $OUT/trace.json); FUSED_BENCH_ARGS goes to
+#   tokenize run of every thread, $OUT/trace.json.gz); FUSED_BENCH_ARGS goes to
 #   bench_fused.py (--quick, --cases), PIPELINE_BENCH_ARGS to bench_pipeline.py
 #   (--runs), TRACE_ARGS to scripts/trace_pipeline.py as tokenize's arguments
 #   (required: the images and --out; the step fails without them).
@@ -102,7 +102,7 @@ if [[ $parts == *" bench "* ]]; then
   [[ $benches == *" pipeline "* ]] && step pipeline-benchmark python3 benchmarks/bench_pipeline.py --out "$OUT" \
     ${PIPELINE_BENCH_ARGS:-}
   # shellcheck disable=SC2086
-  [[ $benches == *" trace "* ]] && step pipeline-trace python3 scripts/trace_pipeline.py --trace "$OUT/trace.json" -- \
+  [[ $benches == *" trace "* ]] && step pipeline-trace python3 scripts/trace_pipeline.py --trace "$OUT/trace.json.gz" -- \
     ${TRACE_ARGS:-}
   cat "$OUT"/depthwise.md "$OUT"/tokenizer.md "$OUT"/fused.md 2>/dev/null
 fi

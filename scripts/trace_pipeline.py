@@ -52,7 +52,7 @@ def print_marks(threads: dict[int, dict[str, float]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", required=True, help="the Chrome trace to write (JSON)")
+    parser.add_argument("--trace", required=True, help="the Chrome trace to write (JSON; gzipped if it ends in .gz)")
     parser.add_argument("tokenize", nargs=argparse.REMAINDER, help="-- then tokenize's arguments")
     args = parser.parse_args(argv)
     arguments = args.tokenize[1:] if args.tokenize[:1] == ["--"] else args.tokenize

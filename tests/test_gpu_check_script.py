@@ -77,7 +77,7 @@ def test_the_trace_follows_the_pipeline_benchmark_with_its_arguments(tmp_path):
     calls = [line for line in log.read_text().splitlines() if "benchmarks/" in line or "scripts/" in line]
     assert calls == [
         f"benchmarks/bench_pipeline.py --out {tmp_path / 'out'}",
-        f"scripts/trace_pipeline.py --trace {tmp_path / 'out' / 'trace.json'} -- {arguments}",
+        f"scripts/trace_pipeline.py --trace {tmp_path / 'out' / 'trace.json.gz'} -- {arguments}",
     ]
 
 

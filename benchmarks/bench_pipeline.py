@@ -178,6 +178,11 @@ class PeakMemory(threading.Thread):
             time.sleep(0.2)
 
 
+def child_environment() -> dict:
+    """This environment, with this checkout's src first on PYTHONPATH: a child process runs its lumenbridge."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
 def end_to_end(images: Path, out: Path, decode: str, args, report: Path, ranks: int, open_shards: int) -> dict:
     """`lumenbridge tokenize` of the images that `images`, a file list, names; with
     ranks > 1, that many torchrun processes share the GPU and the --workers."""
@@ -206,10 +211,11 @@ def end_to_end(images: Path, out: Path, decode: str, args, report: Path, ranks: 
         "--report",
         str(report),
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     shutil.rmtree(out, ignore_errors=True)  # what a run cut short left in a reused --data folder
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     memory = PeakMemory(process.pid)
     memory.start()
     stdout, stderr = process.communicate()

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import ROOT, TMPFS, image_files, write_images
+from bench_pipeline import TMPFS, child_environment, image_files, write_images
 
 STEPS = {
     "python": "pass",
@@ -52,12 +52,6 @@ def python(*arguments: str) -> list[str]:
     return [sys.executable, *arguments]
 
 
-def environment() -> dict:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-
-
 def step_seconds(code: str, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -77,7 +71,7 @@ def tokenize_command(listed: Path, out: Path, report: Path, batch_size: int) -> 
 def run_python(arguments: list[str]) -> None:
     """Runs a child interpreter; its stderr is printed if it fails."""
     try:
-        subprocess.run(python(*arguments), env=environment(), check=True, capture_output=True, text=True)
+        subprocess.run(python(*arguments), env=child_environment(), check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as error:
         print(error.stderr, file=sys.stderr)
         raise

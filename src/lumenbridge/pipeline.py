@@ -195,14 +195,13 @@ class DecoderWarmUp(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        begun = time.perf_counter()
-        try:
-            cuda = self.device.type == "cuda"
-            with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
-                _warm_up_decoder(self.device)
-        except BaseException as error:  # noqa: BLE001 - raised by finish, in the run's thread
-            self.error = error
-        self.seconds = time.perf_counter() - begun
+        with timed(self, "seconds", "decoder_warm_up"):
+            try:
+                cuda = self.device.type == "cuda"
+                with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else contextlib.nullcontext():
+                    _warm_up_decoder(self.device)
+            except BaseException as error:  # noqa: BLE001 - raised by finish, in the run's thread
+                self.error = error
 
     def finish(self, stats: Stats) -> None:
         self.join()
@@ -545,10 +544,9 @@ def tokenize_shards(
                 progress_update(len(prepared.batch.indices))
                 if timer is not None:
                     timer.collect(stats)
-        handed_over = time.perf_counter()
-        for writer_thread in writers:
-            writer_thread.close()
-        stats.last_writes = time.perf_counter() - handed_over
+        with timed(stats, "last_writes"):
+            for writer_thread in writers:
+                writer_thread.close()
     except BaseException:
         for writer_thread in writers:
             writer_thread.stop()  # first: no thread may write a shard once it is aborted, or DIR after the run

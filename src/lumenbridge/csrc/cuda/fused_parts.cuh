@@ -31,6 +31,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M)
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
+constexpr int kMaxColumnParts = 4;          // blocks a tile's output columns may split between
 
 // Row stride (elements) of a shared [rows x cols] tile, cols a multiple of 8:
 // an odd number of 16-byte units, so 8 consecutive rows fall in distinct banks.
@@ -458,19 +459,22 @@ struct TileOutput {
 
 // Shared-memory bookkeeping of one block: each row's flattened output pixel
 // index (or -1 past the edge) and, with a token norm, its mean and 1/std,
-// and where a cluster of parts shares a tile, this part's sums of the row
-// and of its squared deviations, which the other parts read.
+// and where a cluster of parts shares a tile, every part's mean and sum of
+// squared deviations of the row over its own columns, which each part
+// writes into every part's copy.
 struct RowInfo {
   int64_t pixel[kTileRows];
   float mean[kTileRows];
   float rstd[kTileRows];
-  float part_sums[2][kTileRows];
+  float part_stats[kMaxColumnParts][2][kTileRows];
 };
 
-// The thread-block cluster of a tile's parts: a barrier across its blocks,
-// and the sum over its blocks of a float at the same shared-memory address
-// in each, added in rank order so every block gets the same total. The host
-// launches clusters only on sm_90 and later.
+// The thread-block cluster of a tile's parts (the host launches clusters
+// only on sm_90 and later). A barrier across its blocks, in one step or in
+// two: arrive, without ordering memory accesses (where a block starts:
+// another block's shared memory may be written only once that block has
+// started) or after them (its reads of its shared memory done before the
+// others' next writes), and later wait.
 __device__ __forceinline__ void cluster_barrier() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cooperative_groups::this_cluster().sync();
@@ -479,15 +483,37 @@ __device__ __forceinline__ void cluster_barrier() {
 #endif
 }
 
-__device__ __forceinline__ float cluster_total(const float* local, int parts) {
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  float total = 0.0f;
-  for (int rank = 0; rank < parts; ++rank) total += *cluster.map_shared_rank(local, rank);
-  return total;
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #else
   __trap();
-  return 0.0f;
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// The address of `local` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float* in_cluster_block(float* local, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(local, rank);
+#else
+  __trap();
+  return local;
 #endif
 }
 
@@ -541,8 +567,9 @@ __device__ __forceinline__ void warp_sums(float (&values)[N]) {
 }
 
 // Two passes over each row from shared memory, as PyTorch's LayerNorm does in
-// float from the rounded pointwise output; with Split between a cluster's
-// parts, each pass summing every part's share. Returns behind a barrier.
+// float from the rounded pointwise output; with Split, the same two passes
+// over each part's columns, combined across the cluster's parts. Returns
+// behind a barrier.
 template <typename T, bool Split>
 __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -567,35 +594,46 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
     }
     __syncthreads();
   } else {
-#pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
-        float mean[kRowsTogether], sum[kRowsTogether];
+    // One exchange across the cluster: each part writes its rows' mean and
+    // squared deviations over its own columns into every part's part_stats,
+    // and every part combines them in rank order (Chan's formula for
+    // parts of equal width), so all parts get the same statistics. The
+    // kernel arrived at the cluster barrier when it started (or after its
+    // last tile's statistics were read); this wait completes that barrier.
+    cluster_wait();
+    for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
+      const float uncentered[kRowsTogether] = {};
+      float mean[kRowsTogether], deviations[kRowsTogether];
+      lane_row_sums<false>(tile, stride, r0, c0, c1, lane, uncentered, mean);
+      warp_sums(mean);
 #pragma unroll
-        for (int i = 0; i < kRowsTogether; ++i) mean[i] = pass == 0 ? 0.0f : rows.mean[r0 + i];
-        if (pass == 0) {
-          lane_row_sums<false>(tile, stride, r0, c0, c1, lane, mean, sum);
-        } else {
-          lane_row_sums<true>(tile, stride, r0, c0, c1, lane, mean, sum);
-        }
-        warp_sums(sum);
+      for (int i = 0; i < kRowsTogether; ++i) mean[i] /= o.columns;
+      lane_row_sums<true>(tile, stride, r0, c0, c1, lane, mean, deviations);
+      warp_sums(deviations);
+      if (lane < o.parts) {  // lane k writes part k's copy
+        float* stats = in_cluster_block(&rows.part_stats[part][0][r0], lane);
 #pragma unroll
         for (int i = 0; i < kRowsTogether; ++i) {
-          if (lane == 0) rows.part_sums[pass][r0 + i] = sum[i];
+          stats[i] = mean[i];
+          stats[kTileRows + i] = deviations[i];
         }
       }
-      cluster_barrier();
-      for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
-        if (rows.pixel[r] < 0) continue;
-        const float total = cluster_total(&rows.part_sums[pass][r], o.parts) / o.channels;
-        if (pass == 0) {
-          rows.mean[r] = total;
-        } else {
-          rows.rstd[r] = rsqrtf(total + o.eps);
-        }
-      }
-      __syncthreads();
     }
+    cluster_barrier();
+    for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
+      if (rows.pixel[r] < 0) continue;
+      float mean = 0.0f;
+      for (int p = 0; p < o.parts; ++p) mean += rows.part_stats[p][0][r];
+      mean /= o.parts;
+      float deviations = 0.0f;
+      for (int p = 0; p < o.parts; ++p) {
+        const float shift = rows.part_stats[p][0][r] - mean;
+        deviations += rows.part_stats[p][1][r] + o.columns * shift * shift;
+      }
+      rows.mean[r] = mean;
+      rows.rstd[r] = rsqrtf(deviations / o.channels + o.eps);
+    }
+    __syncthreads();
   }
 }
 

@@ -377,7 +377,10 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const unsigned parts = Split ? s.output.parts : 1;
   const unsigned part = Split ? blockIdx.x % parts : 0;
   const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
+  // The host launches a token norm's parts as a cluster (row_statistics).
+  const bool clustered = Split && s.output.norm_weight != nullptr;
   let_next_kernel_start();
+  if (clustered) cluster_arrive_relaxed();
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
@@ -401,9 +404,9 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows overwrite the row table and its sources.
     __syncthreads();
+    // Released once this tile's statistics are read: the next tile's may then overwrite them.
+    if (clustered && tile + gridDim.x / parts < args.tiles) cluster_arrive();
   }
-  // The other parts of the cluster may still be reading this block's row sums.
-  if (Split && s.output.norm_weight != nullptr) cluster_barrier();
 }
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
@@ -945,7 +948,6 @@ void split_columns(TileOutput<T>& o, int parts) {
 // split in two again, up to kMaxColumnParts, in whole 16-byte units; each
 // part computes the tile's whole depthwise step, so the split pays where
 // blocks are idle, not where a wave is full.
-constexpr int kMaxColumnParts = 4;
 
 template <typename T>
 int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {

@@ -508,7 +508,8 @@ __device__ __forceinline__ void cluster_wait() {
 }
 
 // The address of `local` in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float* in_cluster_block(float* local, int rank) {
+template <typename P>
+__device__ __forceinline__ P* in_cluster_block(P* local, int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return cooperative_groups::this_cluster().map_shared_rank(local, rank);
 #else
@@ -597,10 +598,9 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
     // One exchange across the cluster: each part writes its rows' mean and
     // squared deviations over its own columns into every part's part_stats,
     // and every part combines them in rank order (Chan's formula for
-    // parts of equal width), so all parts get the same statistics. The
-    // kernel arrived at the cluster barrier when it started (or after its
-    // last tile's statistics were read); this wait completes that barrier.
-    cluster_wait();
+    // parts of equal width), so all parts get the same statistics. No part
+    // still reads the last tile's: the kernel's exchange of A came after a
+    // barrier that each part arrived at once it had read them.
     for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
       const float uncentered[kRowsTogether] = {};
       float mean[kRowsTogether], deviations[kRowsTogether];

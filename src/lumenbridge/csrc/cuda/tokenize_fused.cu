@@ -305,52 +305,92 @@ __device__ __forceinline__ void depthwise_rows(const WindowSource<T, K> (&src)[2
 template <int K>
 constexpr int kRowsInFlight = K == 3 ? 3 : 1;
 
-// The stage kernel's depthwise step into A: warps take (16 pixels, 32
-// channels) items, a lane pixels g and g + 8 of them and 8 channels (see
-// diagonal_tap). Vector: NHWC rows of 16-byte-aligned multiples of 8
-// channels, read 16 bytes at a time.
+// One item of the stage kernel's depthwise step into A: 16 pixels (rows
+// 16 row_group ..) x the 32 channels of channel group `group`, a lane
+// pixels g and g + 8 and 8 channels (see diagonal_tap). Vector: NHWC rows
+// of 16-byte-aligned multiples of 8 channels, read 16 bytes at a time.
 template <typename T, int K, bool Vector>
-__device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
-                                const T* taps, T* a_tile) {
+__device__ __forceinline__ void depthwise_item(const StageArgs<T>& args, const RowInfo& rows,
+                                               const RowSource& sources, const T* taps, T* a_tile, int row_group,
+                                               int group) {
   const StageGemm<T>& s = args.gemm;
   const int a_stride = padded_stride(s.k_padded);
   const int Cin = s.pw.in_channels, Kp = s.k_padded;
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
   const int64_t row_step = static_cast<int64_t>(args.W) * Cin;
-  for (GridCursor at(s.channel_groups, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16; at.advance()) {
-    const int c = at.column * kChannelGroup + lane % 4 * 8;
-    const int r[2] = {at.row * 16 + lane / 4, at.row * 16 + lane / 4 + 8};
-    float d[4][4];
-    {
-      float bias[8];
-      load_floats8(tap_bias<K>(taps, Kp) + c, bias);
-      diagonal_start(d, bias);
-    }
-    WindowSource<T, K> src[2];
+  const int c = group * kChannelGroup + lane % 4 * 8;
+  const int r[2] = {row_group * 16 + lane / 4, row_group * 16 + lane / 4 + 8};
+  float d[4][4];
+  {
+    float bias[8];
+    load_floats8(tap_bias<K>(taps, Kp) + c, bias);
+    diagonal_start(d, bias);
+  }
+  WindowSource<T, K> src[2];
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      // A pixel past the end, or channels past Cin, read nothing: all columns count as outside.
-      const bool live = rows.pixel[r[p]] >= 0 && c < Cin;
-      src[p].y0 = sources.y[r[p]];
-      src[p].corner =
-          args.input + sources.offset[r[p]] + (static_cast<int64_t>(src[p].y0) * args.W + sources.x[r[p]]) * Cin + c;
+  for (int p = 0; p < 2; ++p) {
+    // A pixel past the end, or channels past Cin, read nothing: all columns count as outside.
+    const bool live = rows.pixel[r[p]] >= 0 && c < Cin;
+    src[p].y0 = sources.y[r[p]];
+    src[p].corner =
+        args.input + sources.offset[r[p]] + (static_cast<int64_t>(src[p].y0) * args.W + sources.x[r[p]]) * Cin + c;
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        src[p].column_inside[j] = live && sources.x[r[p]] + j >= 0 && sources.x[r[p]] + j < args.W;
-      }
+    for (int j = 0; j < K; ++j) {
+      src[p].column_inside[j] = live && sources.x[r[p]] + j >= 0 && sources.x[r[p]] + j < args.W;
     }
-    constexpr int count = kRowsInFlight<K>;
-    // Not unrolled: unrolled, the compiler hoists later kernel rows' loads of
-    // K = 5 and 7 and spills them (ptxas: 704 bytes at K = 7, 140 without).
+  }
+  constexpr int count = kRowsInFlight<K>;
+  // Not unrolled: unrolled, the compiler hoists later kernel rows' loads of
+  // K = 5 and 7 and spills them (ptxas: 704 bytes at K = 7, 140 without).
 #pragma unroll 1
-    for (int i0 = 0; i0 < K; i0 += count) {
-      depthwise_rows<T, K, count, Vector>(src, i0, args.H, row_step, Cin, c, taps, Kp, mask, d);
-    }
-    float v[2][8];
-    diagonal_result(d, v[0], v[1]);
+  for (int i0 = 0; i0 < K; i0 += count) {
+    depthwise_rows<T, K, count, Vector>(src, i0, args.H, row_step, Cin, c, taps, Kp, mask, d);
+  }
+  float v[2][8];
+  diagonal_result(d, v[0], v[1]);
 #pragma unroll
-    for (int p = 0; p < 2; ++p) store_a8<T>(a_tile + r[p] * a_stride, c, v[p]);
+  for (int p = 0; p < 2; ++p) store_a8<T>(a_tile + r[p] * a_stride, c, v[p]);
+}
+
+// The stage kernel's depthwise step into A: warps take its items.
+template <typename T, int K, bool Vector>
+__device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
+                                const T* taps, T* a_tile) {
+  for (GridCursor at(args.gemm.channel_groups, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16;
+       at.advance()) {
+    depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, at.row, at.column);
+  }
+}
+
+// A cluster part's share of the depthwise step: the items of channel groups
+// [group_begin, group_end), whose columns of A it then copies into the
+// other parts' A (push_depthwise_share).
+template <typename T, int K, bool Vector>
+__device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
+                                const T* taps, T* a_tile, int group_begin, int group_end) {
+  constexpr int kRowGroups = kTileRows / 16;
+  for (int item = threadIdx.x / 32; item < kRowGroups * (group_end - group_begin); item += blockDim.x / 32) {
+    depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, item % kRowGroups,
+                                 group_begin + item / kRowGroups);
+  }
+}
+
+// Copies this part's columns of A (channel groups [group_begin, group_end),
+// whole groups: store_a8 permutes columns within a group only) into the same
+// place in every other part's A, 16 bytes at a time; a thread takes one row.
+template <typename T>
+__device__ void push_depthwise_share(T* a_tile, int a_stride, int group_begin, int group_end, int part,
+                                     int parts) {
+  static_assert(kTileRows <= kThreads, "every row has a thread");
+  constexpr int kUnitsPerGroup = kChannelGroup / 8;
+  const int units = (group_end - group_begin) * kUnitsPerGroup;
+  uint4* row = reinterpret_cast<uint4*>(a_tile + (threadIdx.x % kTileRows) * a_stride) + group_begin * kUnitsPerGroup;
+  for (int u = threadIdx.x / kTileRows; u < units; u += blockDim.x / kTileRows) {
+    const uint4 value = row[u];
+    for (int rank = 0; rank < parts; ++rank) {
+      if (rank != part) *in_cluster_block(row + u, rank) = value;
+    }
   }
 }
 
@@ -377,8 +417,16 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const unsigned parts = Split ? s.output.parts : 1;
   const unsigned part = Split ? blockIdx.x % parts : 0;
   const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
-  // The host launches a token norm's parts as a cluster (row_statistics).
-  const bool clustered = Split && s.output.norm_weight != nullptr;
+  // Split tiles run as clusters wherever the kernel has sm_90 code (the
+  // host's compiled_for_sm90), whose parts each compute a share of A's
+  // channel groups.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool clustered = Split;
+#else
+  constexpr bool clustered = false;
+#endif
+  const int group_begin = clustered ? part * s.channel_groups.value / parts : 0;
+  const int group_end = clustered ? (part + 1) * s.channel_groups.value / parts : 0;
   let_next_kernel_start();
   if (clustered) cluster_arrive_relaxed();
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
@@ -395,16 +443,28 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     if (tile == first_tile) wait_for_previous_kernel();
     __syncthreads();
 
+    const auto depthwise = [&](auto vector) {
+      if constexpr (clustered) {
+        depthwise_share<T, K, vector.value>(args, rows, sources, taps, a_tile, group_begin, group_end);
+      } else {
+        stage_depthwise<T, K, vector.value>(args, rows, sources, taps, a_tile);
+      }
+    };
     if (args.vector_input) {
-      stage_depthwise<T, K, true>(args, rows, sources, taps, a_tile);
+      depthwise(std::true_type{});
     } else {
-      stage_depthwise<T, K, false>(args, rows, sources, taps, a_tile);
+      depthwise(std::false_type{});
     }
     __syncthreads();
+    if constexpr (clustered) {
+      cluster_wait();  // every part has started, or has read the last tile's A and statistics
+      push_depthwise_share(a_tile, padded_stride(s.k_padded), group_begin, group_end, part, parts);
+      cluster_barrier();  // every part's share in every part's A
+    }
     finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows overwrite the row table and its sources.
     __syncthreads();
-    // Released once this tile's statistics are read: the next tile's may then overwrite them.
+    // Once this tile's A and statistics are read, the next tile's may overwrite them.
     if (clustered && tile + gridDim.x / parts < args.tiles) cluster_arrive();
   }
 }
@@ -1090,11 +1150,15 @@ Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i
   // columns, as a launch of their own.
   const int64_t tail = a.tiles <= slots ? a.tiles : a.tiles % slots;
   int parts = tail == 0 ? 1 : column_parts(tail, slots, a.gemm.output);
-  // A token norm's parts are a cluster (row statistics over the whole row),
-  // one a tile, all resident at once.
-  const bool clustered = a.gemm.output.norm_weight != nullptr;
+  // A tile's parts run as a thread-block cluster, all resident at once,
+  // where the kernel has cluster code (sm_90 and later): they share the
+  // depthwise step and a token norm's row statistics (over the whole row).
+  // Elsewhere each part computes the whole depthwise step, and a token
+  // norm's tiles do not split.
   const auto split_kernel = kernel(std::true_type{});
-  while (clustered && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < tail) {
+  const bool clustered = parts > 1 && compiled_for_sm90(split_kernel);
+  const bool norm = a.gemm.output.norm_weight != nullptr;
+  while ((clustered || norm) && parts > 1 && resident_clusters(split_kernel, threads, shared_bytes, parts) < tail) {
     parts /= 2;
   }
   const int64_t split_tiles = parts > 1 ? tail : 0;

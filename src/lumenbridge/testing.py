@@ -114,13 +114,14 @@ def many_tile_cases() -> list[TokenizeCase]:
     kernel, none split. lumenbridge-large at K = 7 and 72 x 256 x 256: its
     last stage's output tile and taps do not both fit a block's shared
     memory, so that kernel loads its taps again for every tile, and its
-    blocks take two tiles each before the last 24 of 288 split four ways in
-    clusters (the token norm's). A stage kernel runs its whole waves
-    unsplit and splits the tiles of a last wave that is at most half full,
-    as a launch of their own; the small and base presets run the
-    benchmark's widths: small at 48 splits stage 3's last 60 of 588 tiles
-    in four, base at 24 stage 3's last 30 of 294 in four, base at 64 (the
-    benchmark's batch) the last stage's last 64 of 196 in clusters of two;
+    blocks take two tiles each before the last 24 of 288 split four ways. A
+    stage kernel runs its whole waves unsplit and splits the tiles of a last
+    wave that is at most half full, as a launch of their own, in clusters
+    (from sm_90: a tile's parts share its depthwise step and a token norm's
+    row statistics); the small and base presets run the benchmark's widths:
+    small at 48 splits stage 3's last 60 of 588 tiles in four, base at 24
+    stage 3's last 30 of 294 in four, base at 64 (the benchmark's batch) the
+    last stage's last 64 of 196 in two;
     the last stages of small at 48 (147 tiles for 264 blocks) and base at
     24 (74 for 132) run unsplit, more than half a wave. Which path runs is
     not observable from Python: these counts are the launch code's, for an

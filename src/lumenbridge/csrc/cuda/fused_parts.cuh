@@ -10,8 +10,9 @@
 // columns are stored permuted to match (store_a8); no packed copy of the
 // weights exists anywhere. Where a launch's tiles would leave at least half
 // a wave of blocks idle (small batches), a tile's output columns are split
-// between `parts` blocks (TileOutput::parts): each computes the whole A and
-// its share of the GEMM and the epilogue.
+// between `parts` blocks (TileOutput::parts), each computing its share of the
+// GEMM and the epilogue; from sm_90 they run as a cluster and compute A in
+// shares too (tokenize_fused.cu), before sm_90 each computes the whole A.
 #pragma once
 
 #include <cooperative_groups.h>

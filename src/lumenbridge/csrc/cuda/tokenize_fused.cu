@@ -1005,10 +1005,10 @@ void split_columns(TileOutput<T>& o, int parts) {
 // Parts per tile for the `tiles` of a stage kernel's last wave: while that
 // wave of `slots` blocks would leave at least half its blocks idle (every
 // tile is in it at small batches), the columns
-// split in two again, up to kMaxColumnParts, in whole 16-byte units; each
-// part computes the tile's whole depthwise step, so the split pays where
-// blocks are idle, not where a wave is full.
-
+// split in two again, up to kMaxColumnParts, in whole 16-byte units. The
+// parts repeat work (each its tile's rows and taps, and before sm_90 the
+// whole depthwise step), so the split pays where blocks are idle, not where
+// a wave is full.
 template <typename T>
 int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
   if (!o.vector) return 1;

@@ -33,6 +33,7 @@ constexpr int kTileRows = 64;               // output pixels per block (the GEMM
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
 constexpr int kMaxColumnParts = 4;          // blocks a tile's output columns may split between
+static_assert(kMaxColumnParts <= 32, "a lane of each warp writes one part's row statistics");
 
 // Row stride (elements) of a shared [rows x cols] tile, cols a multiple of 8:
 // an odd number of 16-byte units, so 8 consecutive rows fall in distinct banks.
@@ -438,7 +439,7 @@ struct TileOutput {
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
   bool vector;    // rows of 16-byte-aligned multiples of 8 channels (the norm's tensors aligned too)
-  int parts;      // blocks a tile's columns are split between (a cluster of them with a token norm)
+  int parts;      // blocks a tile's columns are split between (a cluster of them from sm_90)
   int columns;    // of a part: channels / parts, a multiple of 8 where parts > 1
   Divisor units;  // of a part's row in the row layouts' loops: 16-byte units if vector, else elements
   bool activated;

@@ -398,7 +398,7 @@ __device__ void push_depthwise_share(T* a_tile, int a_stride, int group_begin, i
 // tiles whose shared memory leaves room for only one): 16 warps per SM either way.
 // Persistent: a block walks tiles args.first_tile + blockIdx.x, + gridDim.x,
 // ...; with Split, the `parts` blocks blockIdx.x = parts * i + part (a
-// cluster where a token norm needs one) walk tiles args.first_tile + i, +
+// cluster from sm_90) walk tiles args.first_tile + i, +
 // gridDim.x / parts, ..., each its part of the columns. The taps are
 // loaded once per block, past the output tile's reach where shared memory
 // has room (ncu: loading them per tile was most of the 10% of stage 3's time

@@ -576,17 +576,23 @@ __device__ __forceinline__ void warp_sums(float (&values)[N]) {
 template <typename T, bool Split>
 __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int c0 = o.template first_column<Split>(part), c1 = c0 + o.template width<Split>();
-  if constexpr (!Split) {
-    for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
-      const float uncentered[kRowsTogether] = {};
-      float mean[kRowsTogether], deviations[kRowsTogether];
-      lane_row_sums<false>(tile, stride, r0, c0, c1, lane, uncentered, mean);
-      warp_sums(mean);  // every lane gets the totals
+  const int c0 = o.template first_column<Split>(part), width = o.template width<Split>(), c1 = c0 + width;
+  // With Split, one exchange across the cluster: each part writes its rows'
+  // mean and squared deviations over its own columns into every part's
+  // part_stats, and every part combines them in rank order (Chan's formula
+  // for parts of equal width), so all parts get the same statistics. No part
+  // still reads the last tile's: the kernel's exchange of A came after a
+  // barrier that each part arrived at once it had read them.
+  for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
+    const float uncentered[kRowsTogether] = {};
+    float mean[kRowsTogether], deviations[kRowsTogether];
+    lane_row_sums<false>(tile, stride, r0, c0, c1, lane, uncentered, mean);
+    warp_sums(mean);  // every lane gets the totals
 #pragma unroll
-      for (int i = 0; i < kRowsTogether; ++i) mean[i] /= o.channels;
-      lane_row_sums<true>(tile, stride, r0, c0, c1, lane, mean, deviations);
-      warp_sums(deviations);
+    for (int i = 0; i < kRowsTogether; ++i) mean[i] /= width;
+    lane_row_sums<true>(tile, stride, r0, c0, c1, lane, mean, deviations);
+    warp_sums(deviations);
+    if constexpr (!Split) {
 #pragma unroll
       for (int i = 0; i < kRowsTogether; ++i) {
         if (lane == 0 && rows.pixel[r0 + i] >= 0) {
@@ -594,33 +600,16 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
           rows.rstd[r0 + i] = rsqrtf(deviations[i] / o.channels + o.eps);
         }
       }
-    }
-    __syncthreads();
-  } else {
-    // One exchange across the cluster: each part writes its rows' mean and
-    // squared deviations over its own columns into every part's part_stats,
-    // and every part combines them in rank order (Chan's formula for
-    // parts of equal width), so all parts get the same statistics. No part
-    // still reads the last tile's: the kernel's exchange of A came after a
-    // barrier that each part arrived at once it had read them.
-    for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
-      const float uncentered[kRowsTogether] = {};
-      float mean[kRowsTogether], deviations[kRowsTogether];
-      lane_row_sums<false>(tile, stride, r0, c0, c1, lane, uncentered, mean);
-      warp_sums(mean);
+    } else if (lane < o.parts) {  // lane k writes part k's copy
+      float* stats = in_cluster_block(&rows.part_stats[part][0][r0], lane);
 #pragma unroll
-      for (int i = 0; i < kRowsTogether; ++i) mean[i] /= o.columns;
-      lane_row_sums<true>(tile, stride, r0, c0, c1, lane, mean, deviations);
-      warp_sums(deviations);
-      if (lane < o.parts) {  // lane k writes part k's copy
-        float* stats = in_cluster_block(&rows.part_stats[part][0][r0], lane);
-#pragma unroll
-        for (int i = 0; i < kRowsTogether; ++i) {
-          stats[i] = mean[i];
-          stats[kTileRows + i] = deviations[i];
-        }
+      for (int i = 0; i < kRowsTogether; ++i) {
+        stats[i] = mean[i];
+        stats[kTileRows + i] = deviations[i];
       }
     }
+  }
+  if constexpr (Split) {
     cluster_barrier();
     for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
       if (rows.pixel[r] < 0) continue;
@@ -630,13 +619,13 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
       float deviations = 0.0f;
       for (int p = 0; p < o.parts; ++p) {
         const float shift = rows.part_stats[p][0][r] - mean;
-        deviations += rows.part_stats[p][1][r] + o.columns * shift * shift;
+        deviations += rows.part_stats[p][1][r] + width * shift * shift;
       }
       rows.mean[r] = mean;
       rows.rstd[r] = rsqrtf(deviations / o.channels + o.eps);
     }
-    __syncthreads();
   }
+  __syncthreads();
 }
 
 // Writes the block's tile, or with Split its part of the columns, (after

@@ -459,32 +459,37 @@ struct TileOutput {
   }
 };
 
+// What the parts of a cluster send each other during a tile: the other
+// parts' shares of A, and their rows' statistics. Each arrives by st.async
+// into the receiving block's shared memory, counted in bytes on one of its
+// mbarriers (set up for one arrival: its own thread 0's, which says how
+// many bytes to expect), and the receiver waits for that barrier's phase of
+// the tile, `parity`. A cluster barrier would order every memory access of
+// every part instead (a MEMBAR.ALL.GPU and an invalidation of L1 each).
+struct Exchanges {
+  uint64_t shares, statistics;  // mbarriers
+  uint32_t parity;              // of the block's current tile: 0, 1, 0, ...
+};
+
 // Shared-memory bookkeeping of one block: each row's flattened output pixel
 // index (or -1 past the edge) and, with a token norm, its mean and 1/std,
 // and where a cluster of parts shares a tile, every part's mean and sum of
 // squared deviations of the row over its own columns, which each part
-// writes into every part's copy.
+// writes into every part's copy, and the exchanges' barriers.
 struct RowInfo {
   int64_t pixel[kTileRows];
   float mean[kTileRows];
   float rstd[kTileRows];
   float part_stats[kMaxColumnParts][2][kTileRows];
+  Exchanges exchanges;
 };
 
 // The thread-block cluster of a tile's parts (the host launches clusters
-// only on sm_90 and later). A barrier across its blocks, in one step or in
-// two: arrive, without ordering memory accesses (where a block starts:
-// another block's shared memory may be written only once that block has
-// started) or after them (its reads of its shared memory done before the
-// others' next writes), and later wait.
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cooperative_groups::this_cluster().sync();
-#else
-  __trap();
-#endif
-}
-
+// only on sm_90 and later). A barrier across its blocks in two steps:
+// arrive, without ordering memory accesses (where a block starts: another
+// block's shared memory may be written only once that block has started and
+// set up its barriers) or after them (its reads of its shared memory done
+// before the others' next writes), and later wait.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -509,14 +514,66 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // The address of `local` in the shared memory of the cluster's block `rank`.
-template <typename P>
-__device__ __forceinline__ P* in_cluster_block(P* local, int rank) {
+__device__ __forceinline__ uint32_t cluster_address(const void* local, int rank) {
+  uint32_t remote = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(local, rank);
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
 #else
   __trap();
-  return local;
+#endif
+  return remote;
+}
+
+// Thread 0 sets up the block's exchange barriers, before the block's first
+// cluster arrive: the fence makes them ready for the other parts' stores.
+__device__ __forceinline__ void init_exchanges(Exchanges& e) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0) return;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.shares)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.statistics)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// 16 bytes into `remote`, another block's shared memory (cluster_address),
+// counted on that block's barrier `remote_barrier`.
+__device__ __forceinline__ void send16(uint32_t remote, const uint4& v, uint32_t remote_barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   remote),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_barrier)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Waits until this tile's `bytes` from the other parts have landed in this
+// block (thread 0 arrives, expecting them; every thread waits for the phase).
+__device__ __forceinline__ void receive(uint64_t& barrier, uint32_t bytes, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t address = shared_address(&barrier);
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(address), "r"(bytes) : "memory");
+  }
+  asm volatile(
+      "{\n"
+      "  .reg .pred done;\n"
+      "  waiting:\n"
+      "  mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "  @!done bra waiting;\n"
+      "}\n" ::"r"(address),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
 #endif
 }
 
@@ -579,10 +636,10 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
   const int c0 = o.template first_column<Split>(part), width = o.template width<Split>(), c1 = c0 + width;
   // With Split, one exchange across the cluster: each part writes its rows'
   // mean and squared deviations over its own columns into every part's
-  // part_stats, and every part combines them in rank order (Chan's formula
-  // for parts of equal width), so all parts get the same statistics. No part
-  // still reads the last tile's: the kernel's exchange of A came after a
-  // barrier that each part arrived at once it had read them.
+  // part_stats (Exchanges), and every part combines them in rank order
+  // (Chan's formula for parts of equal width), so all parts get the same
+  // statistics. No part still reads the last tile's: the kernel's exchange
+  // of A came after a barrier that each part arrived at once it had read them.
   for (int r0 = warp * kRowsTogether; r0 < kTileRows; r0 += warps * kRowsTogether) {
     const float uncentered[kRowsTogether] = {};
     float mean[kRowsTogether], deviations[kRowsTogether];
@@ -600,17 +657,29 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
           rows.rstd[r0 + i] = rsqrtf(deviations[i] / o.channels + o.eps);
         }
       }
-    } else if (lane < o.parts) {  // lane k writes part k's copy
-      float* stats = in_cluster_block(&rows.part_stats[part][0][r0], lane);
+    } else if (lane == part) {  // lane k writes part k's copy
 #pragma unroll
       for (int i = 0; i < kRowsTogether; ++i) {
-        stats[i] = mean[i];
-        stats[kTileRows + i] = deviations[i];
+        rows.part_stats[part][0][r0 + i] = mean[i];
+        rows.part_stats[part][1][r0 + i] = deviations[i];
       }
+    } else if (lane < o.parts) {
+      static_assert(kRowsTogether == 4, "a row group's statistics go as one 16-byte store");
+      float* stats = &rows.part_stats[part][0][r0];
+      const uint32_t barrier = cluster_address(&rows.exchanges.statistics, lane);
+      send16(cluster_address(stats, lane), make_uint4(__float_as_uint(mean[0]), __float_as_uint(mean[1]),
+                                                      __float_as_uint(mean[2]), __float_as_uint(mean[3])),
+             barrier);
+      send16(cluster_address(stats + kTileRows, lane),
+             make_uint4(__float_as_uint(deviations[0]), __float_as_uint(deviations[1]),
+                        __float_as_uint(deviations[2]), __float_as_uint(deviations[3])),
+             barrier);
     }
   }
   if constexpr (Split) {
-    cluster_barrier();
+    __syncthreads();  // this part's own statistics
+    constexpr uint32_t kBytesFromEachPart = 2 * kTileRows * sizeof(float);
+    receive(rows.exchanges.statistics, (o.parts - 1) * kBytesFromEachPart, rows.exchanges.parity);
     for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
       if (rows.pixel[r] < 0) continue;
       float mean = 0.0f;

@@ -365,7 +365,7 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
 
 // A cluster part's share of the depthwise step: the items of channel groups
 // [group_begin, group_end), whose columns of A it then copies into the
-// other parts' A (push_depthwise_share).
+// other parts' A (exchange_depthwise_shares).
 template <typename T, int K, bool Vector>
 __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
                                 const T* taps, T* a_tile, int group_begin, int group_end) {
@@ -376,12 +376,13 @@ __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, c
   }
 }
 
-// Copies this part's columns of A (channel groups [group_begin, group_end),
-// whole groups: store_a8 permutes columns within a group only) into the same
-// place in every other part's A, 16 bytes at a time; a thread takes one row.
+// Sends this part's columns of A (channel groups [group_begin, group_end),
+// whole groups: store_a8 permutes columns within a group only) to the same
+// place in every other part's A, 16 bytes at a time (a thread takes one
+// row), then waits for the other parts' columns of its own A.
 template <typename T>
-__device__ void push_depthwise_share(T* a_tile, int a_stride, int group_begin, int group_end, int part,
-                                     int parts) {
+__device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int groups, int group_begin, int group_end,
+                                          int part, int parts, Exchanges& exchanges) {
   static_assert(kTileRows <= kThreads, "every row has a thread");
   constexpr int kUnitsPerGroup = kChannelGroup / 8;
   const int units = (group_end - group_begin) * kUnitsPerGroup;
@@ -389,9 +390,11 @@ __device__ void push_depthwise_share(T* a_tile, int a_stride, int group_begin, i
   for (int u = threadIdx.x / kTileRows; u < units; u += blockDim.x / kTileRows) {
     const uint4 value = row[u];
     for (int rank = 0; rank < parts; ++rank) {
-      if (rank != part) *in_cluster_block(row + u, rank) = value;
+      if (rank != part) send16(cluster_address(row + u, rank), value, cluster_address(&exchanges.shares, rank));
     }
   }
+  constexpr uint32_t kBytesPerGroup = kTileRows * kChannelGroup * sizeof(T);
+  receive(exchanges.shares, (groups - (group_end - group_begin)) * kBytesPerGroup, exchanges.parity);
 }
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
@@ -428,9 +431,14 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const int group_begin = clustered ? part * s.channel_groups.value / parts : 0;
   const int group_end = clustered ? (part + 1) * s.channel_groups.value / parts : 0;
   let_next_kernel_start();
-  if (clustered) cluster_arrive_relaxed();
-  for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts) {
+  if (clustered) {
+    init_exchanges(rows.exchanges);
+    cluster_arrive_relaxed();
+  }
+  uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
+  for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts, parity ^= 1) {
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
+    if (clustered && threadIdx.x == 0) rows.exchanges.parity = parity;
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
       const int64_t pixel = tile * kTileRows + r < args.pixels ? tile * kTileRows + r : -1;
       rows.pixel[r] = pixel;
@@ -458,8 +466,8 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     __syncthreads();
     if constexpr (clustered) {
       cluster_wait();  // every part has started, or has read the last tile's A and statistics
-      push_depthwise_share(a_tile, padded_stride(s.k_padded), group_begin, group_end, part, parts);
-      cluster_barrier();  // every part's share in every part's A
+      exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), s.channel_groups.value, group_begin, group_end,
+                                part, parts, rows.exchanges);
     }
     finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows overwrite the row table and its sources.

@@ -363,38 +363,39 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
   }
 }
 
-// A cluster part's share of the depthwise step: the items of channel groups
-// [group_begin, group_end), whose columns of A it then copies into the
-// other parts' A (exchange_depthwise_shares).
+// A cluster part's share of the depthwise step: items [item_begin,
+// item_end) of the tile's (channel group, row group) items, numbered row
+// group fastest, an even share of them (6 channel groups over 4 parts would
+// give shares of 1, 2, 1 and 2 whole groups).
 template <typename T, int K, bool Vector>
 __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
-                                const T* taps, T* a_tile, int group_begin, int group_end) {
+                                const T* taps, T* a_tile, int item_begin, int item_end) {
   constexpr int kRowGroups = kTileRows / 16;
-  for (int item = threadIdx.x / 32; item < kRowGroups * (group_end - group_begin); item += blockDim.x / 32) {
-    depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, item % kRowGroups,
-                                 group_begin + item / kRowGroups);
+  for (int item = item_begin + threadIdx.x / 32; item < item_end; item += blockDim.x / 32) {
+    depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, item % kRowGroups, item / kRowGroups);
   }
 }
 
-// Sends this part's columns of A (channel groups [group_begin, group_end),
-// whole groups: store_a8 permutes columns within a group only) to the same
-// place in every other part's A, 16 bytes at a time (a thread takes one
-// row), then waits for the other parts' columns of its own A.
+// Sends this part's items of A (16 rows x one channel group each: store_a8
+// permutes columns within a group only) to the same place in every other
+// part's A, 16 bytes at a time, then waits for the other parts' items of
+// its own A.
 template <typename T>
-__device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int groups, int group_begin, int group_end,
-                                          int part, int parts, Exchanges& exchanges) {
-  static_assert(kTileRows <= kThreads, "every row has a thread");
-  constexpr int kUnitsPerGroup = kChannelGroup / 8;
-  const int units = (group_end - group_begin) * kUnitsPerGroup;
-  uint4* row = reinterpret_cast<uint4*>(a_tile + (threadIdx.x % kTileRows) * a_stride) + group_begin * kUnitsPerGroup;
-  for (int u = threadIdx.x / kTileRows; u < units; u += blockDim.x / kTileRows) {
-    const uint4 value = row[u];
+__device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int items, int item_begin, int item_end, int part,
+                                          int parts, Exchanges& exchanges) {
+  constexpr int kRowGroups = kTileRows / 16, kUnitsPerRow = kChannelGroup / 8, kUnitsPerItem = 16 * kUnitsPerRow;
+  for (int i = threadIdx.x; i < (item_end - item_begin) * kUnitsPerItem; i += blockDim.x) {
+    const int item = item_begin + i / kUnitsPerItem, unit = i % kUnitsPerItem;
+    const int row = item % kRowGroups * 16 + unit / kUnitsPerRow;
+    uint4* place = reinterpret_cast<uint4*>(a_tile + row * a_stride) + item / kRowGroups * kUnitsPerRow +
+                   unit % kUnitsPerRow;
+    const uint4 value = *place;
     for (int rank = 0; rank < parts; ++rank) {
-      if (rank != part) send16(cluster_address(row + u, rank), value, cluster_address(&exchanges.shares, rank));
+      if (rank != part) send16(cluster_address(place, rank), value, cluster_address(&exchanges.shares, rank));
     }
   }
-  constexpr uint32_t kBytesPerGroup = kTileRows * kChannelGroup * sizeof(T);
-  receive(exchanges.shares, (groups - (group_end - group_begin)) * kBytesPerGroup, exchanges.parity);
+  constexpr uint32_t kBytesPerItem = kUnitsPerItem * 16;
+  receive(exchanges.shares, (items - (item_end - item_begin)) * kBytesPerItem, exchanges.parity);
 }
 
 // Threads: kThreads (two blocks per SM) or twice that (one block per SM, for
@@ -422,14 +423,15 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
   // Split tiles run as clusters wherever the kernel has sm_90 code (the
   // host's compiled_for_sm90), whose parts each compute a share of A's
-  // channel groups.
+  // depthwise items.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool clustered = Split;
 #else
   constexpr bool clustered = false;
 #endif
-  const int group_begin = clustered ? part * s.channel_groups.value / parts : 0;
-  const int group_end = clustered ? (part + 1) * s.channel_groups.value / parts : 0;
+  const int items = kTileRows / 16 * s.channel_groups.value;
+  const int item_begin = clustered ? part * items / parts : 0;
+  const int item_end = clustered ? (part + 1) * items / parts : 0;
   let_next_kernel_start();
   if (clustered) {
     init_exchanges(rows.exchanges);
@@ -453,7 +455,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
 
     const auto depthwise = [&](auto vector) {
       if constexpr (clustered) {
-        depthwise_share<T, K, vector.value>(args, rows, sources, taps, a_tile, group_begin, group_end);
+        depthwise_share<T, K, vector.value>(args, rows, sources, taps, a_tile, item_begin, item_end);
       } else {
         stage_depthwise<T, K, vector.value>(args, rows, sources, taps, a_tile);
       }
@@ -466,8 +468,8 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     __syncthreads();
     if constexpr (clustered) {
       cluster_wait();  // every part has started, or has read the last tile's A and statistics
-      exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), s.channel_groups.value, group_begin, group_end,
-                                part, parts, rows.exchanges);
+      exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), items, item_begin, item_end, part, parts,
+                                rows.exchanges);
     }
     finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows overwrite the row table and its sources.

@@ -15,7 +15,6 @@
 // shares too (tokenize_fused.cu), before sm_90 each computes the whole A.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -557,6 +556,8 @@ __device__ __forceinline__ void send16(uint32_t remote, const uint4& v, uint32_t
 
 // Waits until this tile's `bytes` from the other parts have landed in this
 // block (thread 0 arrives, expecting them; every thread waits for the phase).
+// The wait acquires at cluster scope: the stores' completion is released by
+// the other blocks.
 __device__ __forceinline__ void receive(uint64_t& barrier, uint32_t bytes, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t address = shared_address(&barrier);
@@ -567,7 +568,7 @@ __device__ __forceinline__ void receive(uint64_t& barrier, uint32_t bytes, uint3
       "{\n"
       "  .reg .pred done;\n"
       "  waiting:\n"
-      "  mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
       "  @!done bra waiting;\n"
       "}\n" ::"r"(address),
       "r"(parity)

@@ -467,7 +467,9 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     }
     __syncthreads();
     if constexpr (clustered) {
-      cluster_wait();  // every part has started, or has read the last tile's A and statistics
+      // Every part has started and set up its barriers, or has read the last
+      // tile's A and statistics (after its waits for that tile's phases).
+      cluster_wait();
       exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), items, item_begin, item_end, part, parts,
                                 rows.exchanges);
     }

@@ -29,6 +29,8 @@ namespace fused {
 constexpr int kWarps = 8;                   // of a first-kernel block; stage blocks have 8 or 16
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 64;               // output pixels per block (the GEMM's M)
+constexpr int kRowGroups = kTileRows / 16;  // of the mma's 16 rows: depthwise items' rows, the GEMM's m16 tiles
+static_assert(kTileRows % 16 == 0, "a block's rows split into the mma's 16");
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
 constexpr int kMaxColumnParts = 4;          // blocks a tile's output columns may split between
@@ -103,6 +105,11 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
   }
 }
 
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // 16 bytes of shared memory in one instruction. A plain uint4 or float4 read
 // whose elements are each used on their own is split by the compiler into
 // 2- or 4-byte loads (seen in the PTX of the first kernel's stage-2
@@ -112,7 +119,7 @@ __device__ __forceinline__ uint4 load_shared16(const void* p) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+               : "r"(shared_address(p)));
   return v;
 }
 
@@ -146,7 +153,7 @@ __device__ __forceinline__ uint4 load_a8(const T* row, int c0) {
 // ---- GEMM ------------------------------------------------------------------
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const uint32_t address = shared_address(shared);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
@@ -156,7 +163,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared
 // elements (2t, g) and (2t + 1, g) of each, where ldmatrix_x4 gives (g, 2t)
 // and (g, 2t + 1): an mma operand read from a tile stored the other way.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* shared) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const uint32_t address = shared_address(shared);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
@@ -164,7 +171,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 
 // Two transposed 8 x 8 matrices (lanes 0-15 give the row addresses).
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* shared) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const uint32_t address = shared_address(shared);
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(address));
@@ -218,7 +225,7 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const uint32_t (&a)[2], 
 // of matrix i, whose row j goes to the address lane 8i + j gives. One
 // instruction where 4-byte stores take sixteen; sm_90 and later only.
 __device__ __forceinline__ void stmatrix_x4(void* shared, const uint32_t (&r)[4]) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const uint32_t address = shared_address(shared);
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
                :
                : "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
@@ -367,14 +374,14 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
       for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, d);  // zeros past K
     }
     // The accumulators start at the bias (columns 2 quad, 2 quad + 1 of each tile).
-    float acc[(kTileRows / 16)][kNTiles][4];
+    float acc[kRowGroups][kNTiles][4];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
       const int n = (tile0 + j) * 8 + 2 * quad;
       const float bias0 = n < pw.out_channels ? static_cast<float>(pw.bias[n]) : 0.0f;
       const float bias1 = n + 1 < pw.out_channels ? static_cast<float>(pw.bias[n + 1]) : 0.0f;
 #pragma unroll
-      for (int m = 0; m < (kTileRows / 16); ++m) {
+      for (int m = 0; m < kRowGroups; ++m) {
         acc[m][j][0] = acc[m][j][2] = bias0;
         acc[m][j][1] = acc[m][j][3] = bias1;
       }
@@ -386,13 +393,13 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         if (kg >= k_groups) break;
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
-          uint32_t a[(kTileRows / 16)][4];
+          uint32_t a[kRowGroups][4];
 #pragma unroll
-          for (int m = 0; m < (kTileRows / 16); ++m) {
+          for (int m = 0; m < kRowGroups; ++m) {
             ldmatrix_x4(a[m], a_lane + m * 16 * a_stride + kg * kChannelGroup + step * 16);
           }
 #pragma unroll
-          for (int m = 0; m < (kTileRows / 16); ++m) {
+          for (int m = 0; m < kRowGroups; ++m) {
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
               mma_16816<T>(acc[m][j], a[m], step ? ring[d][j].z : ring[d][j].x, step ? ring[d][j].w : ring[d][j].y);
@@ -413,7 +420,7 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
       const int n = (tile0 + j) * 8 + 2 * quad;
       if (tile0 + j >= tile_end) continue;
 #pragma unroll
-      for (int m = 0; m < (kTileRows / 16); ++m) {
+      for (int m = 0; m < kRowGroups; ++m) {
         const int row = m * 16 + group;
         *reinterpret_cast<uint32_t*>(out_tile + row * out_stride + n) = pack2<T>(acc[m][j][0], acc[m][j][1]);
         *reinterpret_cast<uint32_t*>(out_tile + (row + 8) * out_stride + n) = pack2<T>(acc[m][j][2], acc[m][j][3]);
@@ -511,10 +518,6 @@ __device__ __forceinline__ void cluster_wait() {
 #else
   __trap();
 #endif
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // The address of `local` in the shared memory of the cluster's block `rank`.

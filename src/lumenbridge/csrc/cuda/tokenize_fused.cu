@@ -357,7 +357,7 @@ __device__ __forceinline__ void depthwise_item(const StageArgs<T>& args, const R
 template <typename T, int K, bool Vector>
 __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
                                 const T* taps, T* a_tile) {
-  for (GridCursor at(args.gemm.channel_groups, threadIdx.x / 32, blockDim.x / 32); at.row < kTileRows / 16;
+  for (GridCursor at(args.gemm.channel_groups, threadIdx.x / 32, blockDim.x / 32); at.row < kRowGroups;
        at.advance()) {
     depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, at.row, at.column);
   }
@@ -370,7 +370,6 @@ __device__ void stage_depthwise(const StageArgs<T>& args, const RowInfo& rows, c
 template <typename T, int K, bool Vector>
 __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, const RowSource& sources,
                                 const T* taps, T* a_tile, int item_begin, int item_end) {
-  constexpr int kRowGroups = kTileRows / 16;
   for (int item = item_begin + threadIdx.x / 32; item < item_end; item += blockDim.x / 32) {
     depthwise_item<T, K, Vector>(args, rows, sources, taps, a_tile, item % kRowGroups, item / kRowGroups);
   }
@@ -383,7 +382,7 @@ __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, c
 template <typename T>
 __device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int items, int item_begin, int item_end, int part,
                                           int parts, Exchanges& exchanges) {
-  constexpr int kRowGroups = kTileRows / 16, kUnitsPerRow = kChannelGroup / 8, kUnitsPerItem = 16 * kUnitsPerRow;
+  constexpr int kUnitsPerRow = kChannelGroup / 8, kUnitsPerItem = 16 * kUnitsPerRow;
   for (int i = threadIdx.x; i < (item_end - item_begin) * kUnitsPerItem; i += blockDim.x) {
     const int item = item_begin + i / kUnitsPerItem, unit = i % kUnitsPerItem;
     const int row = item % kRowGroups * 16 + unit / kUnitsPerRow;
@@ -409,7 +408,6 @@ __device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int items, in
 // before its depthwise), else once per tile.
 template <typename T, int K, int Threads, bool Split>
 __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_kernel(const StageArgs<T> args) {
-  static_assert(kTileRows % 16 == 0, "a block's rows split into the diagonal mma's 16");
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
@@ -429,7 +427,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
 #else
   constexpr bool clustered = false;
 #endif
-  const int items = kTileRows / 16 * s.channel_groups.value;
+  const int items = kRowGroups * s.channel_groups.value;
   const int item_begin = clustered ? part * items / parts : 0;
   const int item_end = clustered ? (part + 1) * items / parts : 0;
   let_next_kernel_start();
@@ -719,7 +717,7 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
   const uint32_t mask = diagonal_mask();
   const int px = stage2_column<S2>(lane / 4);
   const int64_t row_step = int64_t{a.win1_w.value} * a.s1_stride;
-  for (GridCursor at(a.gemm.channel_groups, threadIdx.x / 32, kWarps); at.row < kTileRows / 16; at.advance()) {
+  for (GridCursor at(a.gemm.channel_groups, threadIdx.x / 32, kWarps); at.row < kRowGroups; at.advance()) {
     const int c = at.column * kChannelGroup + lane % 4 * 8;
     const int py = at.row * 2;
     float d[4][4];

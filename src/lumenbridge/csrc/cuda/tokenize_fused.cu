@@ -11,7 +11,9 @@
 //                  never reaches device memory: the stage-1 depthwise in float
 //                  on CUDA cores, its pointwise step (K = the image channels)
 //                  on the tensor cores as m16n8k8, all stage-1 channels at once
-//                  into shared memory.
+//                  into shared memory. Where few tiles leave most blocks idle
+//                  (B = 1), a tile splits between the blocks of a cluster by
+//                  stage 2's input channel groups.
 //   stage kernel   stage i output -> stage i + 1 output, one per later stage;
 //                  blocks take 64 consecutive output pixels, so no tile is
 //                  partly empty at 28 x 28 or 14 x 14.
@@ -593,13 +595,14 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // tokenize_for_training the positions the tile owns (the window less stage
 // 2's halo: the tiles partition the extent) also go to the saved rows, with
 // the one in column C0, as the backward's images_depthwise_rows computes them
-// (the same sums in the same order). The taps
+// (the same sums in the same order), unless `saved_rows1` is null (the parts
+// of a split tile but the first). The taps
 // come from shared memory ([K * K + 1][kMaxImageChannels] float, bias last):
 // read from the weight tensor, each would be a global load and a conversion
 // per tap and position.
 template <typename T, int K>
 __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
-                                 int padded_rows, int64_t n, int y_origin, int x_origin) {
+                                 T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
   const int win1 = a.win1_h * a.win1_w.value, win0 = a.win0_h * a.win0_w.value;
   GridCursor at(a.win1_w);
   for (int q = threadIdx.x; q < padded_rows; q += kThreads, at.advance()) {
@@ -627,32 +630,33 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
     uint4 row = pack8<T>(out);
     *reinterpret_cast<uint4*>(d1 + q * 8) = row;
     const int span = kTile * a.stride2, pad = K / 2;
-    if (a.saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
+    if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
       reinterpret_cast<T*>(&row)[a.C0] = T(1.0f);
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
-      *reinterpret_cast<uint4*>(a.saved_rows1 + pixel * 8) = row;
+      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = row;
     }
   }
 }
 
-// Stage-1 outputs over the window, all Kp channels: the pointwise step on
-// the tensor cores (one m16n8k8 per 16 positions and 8 channels), bias,
-// activation, and zero outside the stage-1 extent (stage 2's padding). Warps
-// take (16 positions, 32 channels) items. An item reads its operands and
+// Stage-1 outputs over the window, channel groups first_group ..
+// first_group + groups - 1 (all Kp channels, or a split tile's part's
+// share): the pointwise step on the tensor cores (one m16n8k8 per 16
+// positions and 8 channels), bias, activation, and zero outside the stage-1
+// extent (stage 2's padding). Warps take (16 positions, 32 channels) items. An item reads its operands and
 // runs its four mma, then its eight activations, then stores: the compiler
 // cannot move a shared read above a shared store (it cannot tell the
 // buffers apart), so reads between the stores would make each 8-channel
 // step wait for the one before (ncu: "wait" was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
-                                 T* s1) {
+                                 T* s1, int first_group, int groups) {
   constexpr int kSteps = kChannelGroup / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
   const int win1 = a.win1_h * a.win1_w.value;
-  for (GridCursor at(a.gemm.channel_groups, warp, kWarps); at.row < ceil_div(win1, 16); at.advance()) {
+  for (GridCursor at(groups, warp, kWarps); at.row < ceil_div(win1, 16); at.advance()) {
     const int q0 = at.row * 16 + group, q1 = q0 + 8;
-    const int n0 = at.column * kChannelGroup;
+    const int n0 = (first_group + at.column) * kChannelGroup;
     const uint32_t frag[2] = {*reinterpret_cast<const uint32_t*>(d1 + q0 * 8 + quad * 2),
                               *reinterpret_cast<const uint32_t*>(d1 + q1 * 8 + quad * 2)};
     const bool keep0 = inside[q0], keep1 = inside[q1];
@@ -707,18 +711,19 @@ __device__ __forceinline__ int stage2_column(int g) {
 }
 
 // The first kernel's stage-2 depthwise (stride S2) from the stage-1
-// activations into A, on the tensor cores (diagonal_tap): warps take (two
-// tile rows, 32 channels) items, a lane one pixel of each row and 8 channels.
+// activations into A's channel groups first_group .. first_group + groups -
+// 1, on the tensor cores (diagonal_tap): warps take (two tile rows, 32
+// channels) items, a lane one pixel of each row and 8 channels.
 template <typename T, int K, int S2>
-__device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* taps, T* a_tile, int a_stride,
-                                 int Kp) {
+__device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* taps, T* a_tile, int a_stride, int Kp,
+                                 int first_group, int groups) {
   static_assert(kTile == 8, "a tile row is the 8 rows g of a diagonal mma");
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
   const int px = stage2_column<S2>(lane / 4);
   const int64_t row_step = int64_t{a.win1_w.value} * a.s1_stride;
-  for (GridCursor at(a.gemm.channel_groups, threadIdx.x / 32, kWarps); at.row < kRowGroups; at.advance()) {
-    const int c = at.column * kChannelGroup + lane % 4 * 8;
+  for (GridCursor at(groups, threadIdx.x / 32, kWarps); at.row < kRowGroups; at.advance()) {
+    const int c = (first_group + at.column) * kChannelGroup + lane % 4 * 8;
     const int py = at.row * 2;
     float d[4][4];
     {
@@ -748,10 +753,16 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
   }
 }
 
-// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; the weights
-// and taps every tile uses are loaded once per block, not once per tile
-// (ncu: their loads were a sixth of the load phase's stall samples).
-template <typename T, int K>
+// Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; with Split,
+// the `parts` blocks blockIdx.x = parts * i + part (a cluster from sm_90)
+// walk tiles i, + gridDim.x / parts, ..., each its part of the output
+// columns and, in a cluster, its share of stage 2's input channel groups
+// (their stage-1 pointwise step and stage-2 depthwise step), whose columns
+// of A it sends the other parts; every part loads the image window and runs
+// the stage-1 depthwise step (a few image channels). The weights and taps
+// every tile uses are loaded once per block, not once per tile (ncu: their
+// loads were a sixth of the load phase's stall samples).
+template <typename T, int K, bool Split>
 __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
@@ -770,12 +781,30 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
   constexpr int pad = K / 2;
+  const int parts = Split ? s.output.parts : 1;
+  const int part = Split ? static_cast<int>(blockIdx.x) % parts : 0;
+  const int tile_step = static_cast<int>(gridDim.x) / parts;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool clustered = Split;
+#else
+  constexpr bool clustered = false;
+#endif
+  // The host splits only where the parts divide the groups (first_kernel_parts).
+  const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
+  const int first_group = clustered ? part * share : 0;
+  T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
 
   let_next_kernel_start();
+  if (clustered) {
+    init_exchanges(rows.exchanges);
+    cluster_arrive_relaxed();
+  }
   load_stage1_weight(args, Kp, w1, b1);
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
-  for (int tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
+  uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
+  for (int tile = static_cast<int>(blockIdx.x) / parts; tile < args.tiles; tile += tile_step, parity ^= 1) {
+    if (clustered && threadIdx.x == 0) rows.exchanges.parity = parity;
     const int tile_row = args.tiles_x.quotient(tile);  // over the batch
     const int64_t n = args.tiles_y.quotient(tile_row);
     const int tx = (tile - tile_row * args.tiles_x.value) * kTile;
@@ -795,21 +824,30 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     }
     __syncthreads();
 
-    stage1_depthwise<T, K>(args, image, taps1, d1, inside, padded_rows, n, y1_origin, x1_origin);
+    stage1_depthwise<T, K>(args, image, taps1, d1, inside, saved_rows1, padded_rows, n, y1_origin, x1_origin);
     __syncthreads();
 
-    stage1_pointwise(args, d1, inside, w1, b1, s1);
+    stage1_pointwise(args, d1, inside, w1, b1, s1, first_group, share);
     __syncthreads();
 
     if (args.stride2 == 2) {
-      stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp);
+      stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
     } else {
-      stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp);
+      stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
     }
     __syncthreads();
-    finish_block<T, false>(shared, args.layout, s, rows, 0);
+    if constexpr (clustered) {
+      // Every part has started and set up its barriers, or has read the last
+      // tile's A and statistics (after its waits for that tile's phases).
+      cluster_wait();
+      exchange_depthwise_shares(a_tile, a_stride, kRowGroups * s.channel_groups.value, first_group * kRowGroups,
+                                (first_group + share) * kRowGroups, part, parts, rows.exchanges);
+    }
+    finish_block<T, Split>(shared, args.layout, s, rows, part);
     // The next tile's rows and image window overwrite the row table and the output tile.
     __syncthreads();
+    // Once this tile's A and statistics are read, the next tile's may overwrite them.
+    if (clustered && tile + tile_step < args.tiles) cluster_arrive();
   }
 }
 
@@ -1075,6 +1113,23 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
   return o;
 }
 
+// Parts per first-kernel tile: where the tiles split `parts` ways still fit
+// one wave of `slots` blocks, the most parts, up to kMaxColumnParts, that
+// divide both stage 2's input channel groups (a cluster's parts share them)
+// and its output's 16-byte units (lumenbridge-base at B = 1: 49 tiles, 3
+// groups, 24 units: 3 parts). The parts repeat the image window and the
+// stage-1 depthwise step, which cost little next to the rest of a tile.
+template <typename T>
+int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g) {
+  if (!g.output.vector) return 1;
+  for (int parts = std::min(kMaxColumnParts, g.channel_groups.value); parts > 1; --parts) {
+    if (g.channel_groups.value % parts == 0 && (g.output.channels / 8) % parts == 0 && tiles * parts <= slots) {
+      return parts;
+    }
+  }
+  return 1;
+}
+
 // Launches the first kernel; returns how the next stage kernel follows it.
 template <typename T, int K>
 Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
@@ -1121,8 +1176,21 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   a.taps_offset = g.taps_offset;
   a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  const int64_t blocks = std::min(tiles, one_wave(two_blocks_fit(a.layout.total) ? 2 : 1));
-  return launch(fused_first_kernel<T, K>, blocks, kThreads, a.layout.total, a, Follows::kAnyWork);
+  const int64_t slots = one_wave(two_blocks_fit(a.layout.total) ? 2 : 1);
+  // As in launch_stage: clusters where the kernel has cluster code, all of
+  // a launch's resident at once; elsewhere each part computes the whole of
+  // A, and a token norm's tiles do not split.
+  const auto split_kernel = fused_first_kernel<T, K, true>;
+  const int parts = first_kernel_parts(tiles, slots, a.gemm);
+  const bool clustered = parts > 1 && compiled_for_sm90(split_kernel);
+  const bool norm = a.gemm.output.norm_weight != nullptr;
+  if (parts == 1 ||
+      ((clustered || norm) && resident_clusters(split_kernel, kThreads, a.layout.total, parts) < tiles)) {
+    return launch(fused_first_kernel<T, K, false>, std::min(tiles, slots), kThreads, a.layout.total, a,
+                  Follows::kAnyWork);
+  }
+  split_columns(a.gemm.output, parts);
+  return launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, clustered ? parts : 1);
 }
 
 // Launches stage i's kernel (two launches where its last wave splits), the

@@ -100,10 +100,17 @@ def tokenize_cases() -> list[TokenizeCase]:
         _case("dynamic-pad-float", NARROW, size=(37, 19), dynamic_pad=True, uint8=False, channels_last=True),
         _case("two-stages", rep(NARROW, embed_dim=20, stage_widths=(12, 20), strides=(2, 2)), size=(24, 40)),
         _case("three-stages", rep(NARROW, embed_dim=36, stage_widths=(12, 20, 36), strides=(2, 2, 2))),
-        # The first kernel writes the tokens with its tiles split in three
-        # on a GPU (stage 2's 3 input channel groups, 24 output units): the
-        # token norm's row statistics cross a cluster of three parts.
-        _case("two-stages-split", rep(NARROW, embed_dim=192, stage_widths=(96, 192), strides=(2, 2)), size=(24, 40)),
+        # On a GPU from sm_90 the first kernel splits the tiles of the base
+        # widths in three (stage 2's 3 input channel groups, 24 output units):
+        # here at K = 5 with stage 2 at stride 1, and in a two-stage model
+        # whose first kernel writes NCHW tokens at K = 7, its token norm's
+        # row statistics crossing a cluster of three parts.
+        _case("base-k5-stride-1-second", rep(BASE, kernel_size=5, strides=(2, 1, 2, 2))),
+        _case(
+            "two-stages-split",
+            rep(NARROW, embed_dim=192, stage_widths=(96, 192), strides=(2, 2), kernel_size=7, output_fmt="NCHW"),
+            size=(24, 40),
+        ),
         # More first-kernel tiles (384) than an H200 keeps blocks resident
         # (264), so the blocks run in more than one wave.
         _case("many-tiles", NARROW, batch=24, size=(128, 128)),

@@ -8,11 +8,12 @@
 // nn-layout [Cout, Cin] tensor (it stays in L2) with one 16-byte load per lane
 // per 32 input channels. That load holds 8 consecutive input channels, so A's
 // columns are stored permuted to match (store_a8); no packed copy of the
-// weights exists anywhere. Where a launch's tiles would leave at least half
-// a wave of blocks idle (small batches), a tile's output columns are split
-// between `parts` blocks (TileOutput::parts), each computing its share of the
-// GEMM and the epilogue; from sm_90 they run as a cluster and compute A in
-// shares too (tokenize_fused.cu), before sm_90 each computes the whole A.
+// weights exists anywhere. Where a launch's tiles would leave much of a
+// wave of blocks idle (small batches: tokenize_fused.cu says when), a tile's
+// output columns are split between `parts` blocks (TileOutput::parts), each
+// computing its share of the GEMM and the epilogue; from sm_90 they run as a
+// cluster and compute A in shares too, before sm_90 (stage kernels only)
+// each computes the whole A.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -11,9 +11,10 @@
 //                  never reaches device memory: the stage-1 depthwise in float
 //                  on CUDA cores, its pointwise step (K = the image channels)
 //                  on the tensor cores as m16n8k8, all stage-1 channels at once
-//                  into shared memory. Where few tiles leave most blocks idle
-//                  (B = 1), a tile splits between the blocks of a cluster by
-//                  stage 2's input channel groups.
+//                  into shared memory. Where its tiles, split, still fit one
+//                  wave (lumenbridge-base at B = 1), a tile splits between
+//                  the blocks of a cluster (sm_90) by stage 2's input channel
+//                  groups and output columns.
 //   stage kernel   stage i output -> stage i + 1 output, one per later stage;
 //                  blocks take 64 consecutive output pixels, so no tile is
 //                  partly empty at 28 x 28 or 14 x 14.
@@ -754,12 +755,12 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
 }
 
 // Persistent: a block walks tiles blockIdx.x, + gridDim.x, ...; with Split,
-// the `parts` blocks blockIdx.x = parts * i + part (a cluster from sm_90)
-// walk tiles i, + gridDim.x / parts, ..., each its part of the output
-// columns and, in a cluster, its share of stage 2's input channel groups
-// (their stage-1 pointwise step and stage-2 depthwise step), whose columns
-// of A it sends the other parts; every part loads the image window and runs
-// the stage-1 depthwise step (a few image channels). The weights and taps
+// the `parts` blocks blockIdx.x = parts * i + part (a cluster) walk tiles
+// i, + gridDim.x / parts, ..., each its part of the output columns and its
+// share of stage 2's input channel groups (their stage-1 pointwise step and
+// stage-2 depthwise step), whose columns of A it sends the other parts;
+// every part loads the image window and runs the stage-1 depthwise step (a
+// few image channels). The weights and taps
 // every tile uses are loaded once per block, not once per tile (ncu: their
 // loads were a sixth of the load phase's stall samples).
 template <typename T, int K, bool Split>
@@ -789,7 +790,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
 #else
   constexpr bool clustered = false;
 #endif
-  // The host splits only where the parts divide the groups (first_kernel_parts).
+  // The host splits tiles only as clusters, whose parts divide the groups
+  // (first_kernel_parts); compiled without cluster code, each part would
+  // compute the whole of A.
   const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
   const int first_group = clustered ? part * share : 0;
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
@@ -1114,16 +1117,21 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
 }
 
 // Parts per first-kernel tile: where the tiles split `parts` ways still fit
-// one wave of `slots` blocks, the most parts, up to kMaxColumnParts, that
-// divide both stage 2's input channel groups (a cluster's parts share them)
-// and its output's 16-byte units (lumenbridge-base at B = 1: 49 tiles, 3
-// groups, 24 units: 3 parts). The parts repeat the image window and the
+// one wave of `slots` blocks, all as clusters the device holds at once
+// (resident_clusters: 0 for a kernel without cluster code, whose tiles do
+// not split), the most parts up to kMaxColumnParts that divide both stage
+// 2's input channel groups (the parts share them) and its output's 16-byte
+// units: lumenbridge-base at B = 1 has 49 tiles, 3 groups and 24 units, so
+// 3 parts, 147 blocks of 264. The parts repeat the image window and the
 // stage-1 depthwise step, which cost little next to the rest of a tile.
-template <typename T>
-int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g) {
+template <typename T, typename Kernel>
+int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g, Kernel split_kernel,
+                       size_t shared_bytes) {
   if (!g.output.vector) return 1;
-  for (int parts = std::min(kMaxColumnParts, g.channel_groups.value); parts > 1; --parts) {
-    if (g.channel_groups.value % parts == 0 && (g.output.channels / 8) % parts == 0 && tiles * parts <= slots) {
+  const int groups = g.channel_groups.value;
+  for (int parts = std::min(kMaxColumnParts, groups); parts > 1; --parts) {
+    if (groups % parts == 0 && (g.output.channels / 8) % parts == 0 && tiles * parts <= slots &&
+        resident_clusters(split_kernel, kThreads, shared_bytes, parts) >= tiles) {
       return parts;
     }
   }
@@ -1177,20 +1185,14 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   a.taps1_offset = g.taps1_offset;
   a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
   const int64_t slots = one_wave(two_blocks_fit(a.layout.total) ? 2 : 1);
-  // As in launch_stage: clusters where the kernel has cluster code, all of
-  // a launch's resident at once; elsewhere each part computes the whole of
-  // A, and a token norm's tiles do not split.
   const auto split_kernel = fused_first_kernel<T, K, true>;
-  const int parts = first_kernel_parts(tiles, slots, a.gemm);
-  const bool clustered = parts > 1 && compiled_for_sm90(split_kernel);
-  const bool norm = a.gemm.output.norm_weight != nullptr;
-  if (parts == 1 ||
-      ((clustered || norm) && resident_clusters(split_kernel, kThreads, a.layout.total, parts) < tiles)) {
+  const int parts = first_kernel_parts(tiles, slots, a.gemm, split_kernel, a.layout.total);
+  if (parts == 1) {
     return launch(fused_first_kernel<T, K, false>, std::min(tiles, slots), kThreads, a.layout.total, a,
                   Follows::kAnyWork);
   }
   split_columns(a.gemm.output, parts);
-  return launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, clustered ? parts : 1);
+  return launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, parts);
 }
 
 // Launches stage i's kernel (two launches where its last wave splits), the

@@ -597,10 +597,9 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // 2's halo: the tiles partition the extent) also go to the saved rows, with
 // the one in column C0, as the backward's images_depthwise_rows computes them
 // (the same sums in the same order), unless `saved_rows1` is null (the parts
-// of a split tile but the first). The taps
-// come from shared memory ([K * K + 1][kMaxImageChannels] float, bias last):
-// read from the weight tensor, each would be a global load and a conversion
-// per tap and position.
+// of a split tile but the first). The taps come from shared memory
+// ([K * K + 1][kMaxImageChannels] float, bias last): read from the weight
+// tensor, each would be a global load and a conversion per tap and position.
 template <typename T, int K>
 __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
                                  T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
@@ -643,11 +642,12 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // first_group + groups - 1 (all Kp channels, or a split tile's part's
 // share): the pointwise step on the tensor cores (one m16n8k8 per 16
 // positions and 8 channels), bias, activation, and zero outside the stage-1
-// extent (stage 2's padding). Warps take (16 positions, 32 channels) items. An item reads its operands and
-// runs its four mma, then its eight activations, then stores: the compiler
-// cannot move a shared read above a shared store (it cannot tell the
-// buffers apart), so reads between the stores would make each 8-channel
-// step wait for the one before (ncu: "wait" was 41% of this phase's stalls).
+// extent (stage 2's padding). Warps take (16 positions, 32 channels) items.
+// An item reads its operands and runs its four mma, then its eight
+// activations, then stores: the compiler cannot move a shared read above a
+// shared store (it cannot tell the buffers apart), so reads between the
+// stores would make each 8-channel step wait for the one before (ncu: "wait"
+// was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
                                  T* s1, int first_group, int groups) {
@@ -760,9 +760,9 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
 // share of stage 2's input channel groups (their stage-1 pointwise step and
 // stage-2 depthwise step), whose columns of A it sends the other parts;
 // every part loads the image window and runs the stage-1 depthwise step (a
-// few image channels). The weights and taps
-// every tile uses are loaded once per block, not once per tile (ncu: their
-// loads were a sixth of the load phase's stall samples).
+// few image channels). The weights and taps every tile uses are loaded once
+// per block, not once per tile (ncu: their loads were a sixth of the load
+// phase's stall samples).
 template <typename T, int K, bool Split>
 __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];

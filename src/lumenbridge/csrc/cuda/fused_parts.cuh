@@ -491,6 +491,18 @@ struct RowInfo {
   Exchanges exchanges;
 };
 
+// Whether a kernel's split tiles run as a thread-block cluster of their
+// parts: wherever its code is sm_90's (the host asks the runtime the same:
+// compiled_for_sm90 in tokenize_fused.cu). Elsewhere no tile splits in the
+// first kernel, and each part of a stage kernel's tile computes all of A.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <bool Split>
+constexpr bool kClusteredSplit = Split;
+#else
+template <bool Split>
+constexpr bool kClusteredSplit = false;
+#endif
+
 // The thread-block cluster of a tile's parts (the host launches clusters
 // only on sm_90 and later). A barrier across its blocks in two steps:
 // arrive, without ordering memory accesses (where a block starts: another
@@ -532,14 +544,17 @@ __device__ __forceinline__ uint32_t cluster_address(const void* local, int rank)
   return remote;
 }
 
-// Thread 0 sets up the block's exchange barriers, before the block's first
-// cluster arrive: the fence makes them ready for the other parts' stores.
-__device__ __forceinline__ void init_exchanges(Exchanges& e) {
+// Where a block starts: thread 0 sets up its exchange barriers (the fence
+// makes them ready for the other parts' stores), then every thread arrives
+// at the cluster barrier, whose wait comes before the block's first send.
+__device__ __forceinline__ void join_exchanges(Exchanges& e) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x != 0) return;
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.shares)) : "memory");
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.statistics)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.shares)) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&e.statistics)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_arrive_relaxed();
 #else
   __trap();
 #endif

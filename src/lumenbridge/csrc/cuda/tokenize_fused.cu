@@ -381,11 +381,14 @@ __device__ void depthwise_share(const StageArgs<T>& args, const RowInfo& rows, c
 // Sends this part's items of A (16 rows x one channel group each: store_a8
 // permutes columns within a group only) to the same place in every other
 // part's A, 16 bytes at a time, then waits for the other parts' items of
-// its own A.
+// its own A. The sends wait until every part has started and set up its
+// barriers, or has read the last tile's A and statistics (after its waits
+// for that tile's phases).
 template <typename T>
 __device__ void exchange_depthwise_shares(T* a_tile, int a_stride, int items, int item_begin, int item_end, int part,
                                           int parts, Exchanges& exchanges) {
   constexpr int kUnitsPerRow = kChannelGroup / 8, kUnitsPerItem = 16 * kUnitsPerRow;
+  cluster_wait();
   for (int i = threadIdx.x; i < (item_end - item_begin) * kUnitsPerItem; i += blockDim.x) {
     const int item = item_begin + i / kUnitsPerItem, unit = i % kUnitsPerItem;
     const int row = item % kRowGroups * 16 + unit / kUnitsPerRow;
@@ -422,22 +425,13 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const unsigned parts = Split ? s.output.parts : 1;
   const unsigned part = Split ? blockIdx.x % parts : 0;
   const int64_t first_tile = args.first_tile + (Split ? blockIdx.x / parts : blockIdx.x);
-  // Split tiles run as clusters wherever the kernel has sm_90 code (the
-  // host's compiled_for_sm90), whose parts each compute a share of A's
-  // depthwise items.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool clustered = Split;
-#else
-  constexpr bool clustered = false;
-#endif
+  // A cluster's parts each compute a share of A's depthwise items.
+  constexpr bool clustered = kClusteredSplit<Split>;
   const int items = kRowGroups * s.channel_groups.value;
   const int item_begin = clustered ? part * items / parts : 0;
   const int item_end = clustered ? (part + 1) * items / parts : 0;
   let_next_kernel_start();
-  if (clustered) {
-    init_exchanges(rows.exchanges);
-    cluster_arrive_relaxed();
-  }
+  if (clustered) join_exchanges(rows.exchanges);
   uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts, parity ^= 1) {
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
@@ -468,9 +462,6 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     }
     __syncthreads();
     if constexpr (clustered) {
-      // Every part has started and set up its barriers, or has read the last
-      // tile's A and statistics (after its waits for that tile's phases).
-      cluster_wait();
       exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), items, item_begin, item_end, part, parts,
                                 rows.exchanges);
     }
@@ -785,11 +776,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int parts = Split ? s.output.parts : 1;
   const int part = Split ? static_cast<int>(blockIdx.x) % parts : 0;
   const int tile_step = static_cast<int>(gridDim.x) / parts;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool clustered = Split;
-#else
-  constexpr bool clustered = false;
-#endif
+  constexpr bool clustered = kClusteredSplit<Split>;
   // The host splits tiles only as clusters, whose parts divide the groups
   // (first_kernel_parts); compiled without cluster code, each part would
   // compute the whole of A.
@@ -798,10 +785,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
 
   let_next_kernel_start();
-  if (clustered) {
-    init_exchanges(rows.exchanges);
-    cluster_arrive_relaxed();
-  }
+  if (clustered) join_exchanges(rows.exchanges);
   load_stage1_weight(args, Kp, w1, b1);
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
@@ -840,9 +824,6 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     }
     __syncthreads();
     if constexpr (clustered) {
-      // Every part has started and set up its barriers, or has read the last
-      // tile's A and statistics (after its waits for that tile's phases).
-      cluster_wait();
       exchange_depthwise_shares(a_tile, a_stride, kRowGroups * s.channel_groups.value, first_group * kRowGroups,
                                 (first_group + share) * kRowGroups, part, parts, rows.exchanges);
     }

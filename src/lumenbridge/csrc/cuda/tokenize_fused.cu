@@ -1173,7 +1173,12 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
                   Follows::kAnyWork);
   }
   split_columns(a.gemm.output, parts);
-  return launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, parts);
+  // Its blocks fill at most one wave of slots (first_kernel_parts), more
+  // blocks than SMs at B = 1 but with slots free for the next kernel's to
+  // start in: -0.7 us a forward at B = 1 on the H100 (benchmarks/NOTES.md,
+  // step 83), where next_follows would count SMs.
+  launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, parts);
+  return Follows::kFusedKernel;
 }
 
 // Launches stage i's kernel (two launches where its last wave splits), the

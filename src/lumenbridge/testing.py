@@ -106,6 +106,9 @@ def tokenize_cases() -> list[TokenizeCase]:
         # whose first kernel writes NCHW tokens at K = 7, its token norm's
         # row statistics crossing a cluster of three parts.
         _case("base-k5-stride-1-second", rep(BASE, kernel_size=5, strides=(2, 1, 2, 2))),
+        # The benchmark's B = 1: on a GPU from sm_90 the first kernel splits
+        # its 49 tiles in three, stages 3 and 4 theirs in clusters of four.
+        _case("base-batch-1", batch=1),
         _case(
             "two-stages-split",
             rep(NARROW, embed_dim=192, stage_widths=(96, 192), strides=(2, 2), kernel_size=7, output_fmt="NCHW"),

@@ -354,6 +354,20 @@ def test_both_compilers_get_the_kernel_sizes_from_config():
         assert [k for k in range(64) if mask >> k & 1] == sorted(KERNEL_SIZES)
 
 
+def test_phase_clocks_are_a_development_build_of_their_own(monkeypatch):
+    """LUMENBRIDGE_PHASE_CLOCKS=1 adds the kernels' phase clocks to nvcc's
+    flags only (a digest of its own, so a user's cached build is untouched)."""
+    define = f"-D{extension.PHASE_CLOCKS_VARIABLE}"
+    monkeypatch.delenv(extension.PHASE_CLOCKS_VARIABLE, raising=False)
+    plain = extension._lumenbridge_library(True)
+    monkeypatch.setenv(extension.PHASE_CLOCKS_VARIABLE, "1")
+    clocked = extension._lumenbridge_library(True)
+    assert define not in plain.cuda_cflags and define in clocked.cuda_cflags
+    assert clocked.cflags == plain.cflags
+    toolchain = {"compiler": "same"}
+    assert extension._digest(plain, toolchain) != extension._digest(clocked, toolchain)
+
+
 # --- item 13: no compiler, one line -------------------------------------------------------
 
 

@@ -58,6 +58,10 @@ OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 # (csrc/kernel_sizes.h), as a bit mask: a list would need commas, which nvcc
 # splits -D values at.
 KERNEL_SIZES_DEFINE = f"-DLUMENBRIDGE_KERNEL_SIZE_MASK={sum(1 << k for k in KERNEL_SIZES)}"
+# A development build: with LUMENBRIDGE_PHASE_CLOCKS=1 in the environment the
+# fused kernels stamp their phases (scripts/phase_clock.py reads them). The
+# flag is part of the build digest, so such a build has a cache of its own.
+PHASE_CLOCKS_VARIABLE = "LUMENBRIDGE_PHASE_CLOCKS"
 # Written into a finished build before it is moved into place; records what it was built from.
 COMPLETE_MARKER = "complete.json"
 # A build runs in <folder>.building-XXXX and is renamed to <folder> when it succeeds.
@@ -421,6 +425,7 @@ def _lumenbridge_library(with_cuda: bool) -> Library:
             "--expt-relaxed-constexpr",
             KERNEL_SIZES_DEFINE,
             "-DLUMENBRIDGE_WITH_CUDA",
+            *([f"-D{PHASE_CLOCKS_VARIABLE}"] if os.environ.get(PHASE_CLOCKS_VARIABLE) == "1" else []),
         ),
         ldflags=tuple(OPENMP_FLAGS),
         with_cuda=with_cuda,

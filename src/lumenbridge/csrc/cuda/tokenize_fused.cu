@@ -34,6 +34,10 @@
 #include "fused_parts.cuh"
 #include "images.cuh"
 
+#ifdef LUMENBRIDGE_PHASE_CLOCKS
+#include <torch/library.h>
+#endif
+
 namespace lumenbridge {
 namespace cuda {
 namespace fused {
@@ -99,12 +103,41 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
   }
 }
 
+// ---- phase clocks (development builds) --------------------------------------------
+
+// Built with -DLUMENBRIDGE_PHASE_CLOCKS (LUMENBRIDGE_PHASE_CLOCKS=1 at build
+// time; scripts/phase_clock.py), thread 0 of each block stamps the global
+// timer and its SM's cycle counter at each phase boundary of its tiles (the
+// last tile's stamps stay), which lumenbridge::phase_clocks returns: how long
+// each phase takes on every block, and so which block and phase hold a
+// one-wave launch, which stall samples do not show. Elsewhere the marks
+// compile to nothing.
+enum ClockKernel { kFirstClock, kStageClock, kWideStageClock, kClockKinds };  // + kClockKinds where split
+enum PhaseMark { kStart, kPrologue, kWindow, kStage1Depthwise, kStage1Pointwise, kDepthwise, kExchange, kGemm,
+                 kEpilogue, kPhaseMarks };
+constexpr int kClockBlocks = 2048;
+
+#ifdef LUMENBRIDGE_PHASE_CLOCKS
+__device__ unsigned long long phase_clocks[2 * kClockKinds][kClockBlocks][kPhaseMarks][2];
+
+__device__ __forceinline__ void phase_mark(int kernel, PhaseMark mark) {
+  if (threadIdx.x == 0 && blockIdx.x < kClockBlocks) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    phase_clocks[kernel][blockIdx.x][mark][0] = ns;
+    phase_clocks[kernel][blockIdx.x][mark][1] = clock64();
+  }
+}
+#else
+__device__ __forceinline__ void phase_mark(int, PhaseMark) {}
+#endif
+
 // The GEMM and the epilogue, once a block's A tile is complete (and, for
 // tokenize_for_training, A saved on the way): of all the output columns, or
 // with Split of the block's part of them (the tile's first part saves A).
 template <typename T, bool Split>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
-                             RowInfo& rows, int part) {
+                             RowInfo& rows, int part, int clock_kernel) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
   T* out_tile = reinterpret_cast<T*>(shared + layout.region_offset);
   if (s.saved_rows != nullptr && (!Split || part == 0)) {
@@ -122,6 +155,7 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
                                tile_begin, tile_end);
   }
   __syncthreads();
+  phase_mark(clock_kernel, kGemm);
   write_tile<T, Split>(out_tile, out_stride, s.output, part, rows);
 }
 
@@ -430,6 +464,8 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const int items = kRowGroups * s.channel_groups.value;
   const int item_begin = clustered ? part * items / parts : 0;
   const int item_end = clustered ? (part + 1) * items / parts : 0;
+  constexpr int clock = (Threads == kThreads ? kStageClock : kWideStageClock) + (Split ? kClockKinds : 0);
+  phase_mark(clock, kStart);
   let_next_kernel_start();
   if (clustered) join_exchanges(rows.exchanges);
   uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
@@ -447,6 +483,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     }
     if (tile == first_tile) wait_for_previous_kernel();
     __syncthreads();
+    phase_mark(clock, kPrologue);
 
     const auto depthwise = [&](auto vector) {
       if constexpr (clustered) {
@@ -461,13 +498,16 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
       depthwise(std::false_type{});
     }
     __syncthreads();
+    phase_mark(clock, kDepthwise);
     if constexpr (clustered) {
       exchange_depthwise_shares(a_tile, padded_stride(s.k_padded), items, item_begin, item_end, part, parts,
                                 rows.exchanges);
+      phase_mark(clock, kExchange);
     }
-    finish_block<T, Split>(shared, args.layout, s, rows, part);
+    finish_block<T, Split>(shared, args.layout, s, rows, part, clock);
     // The next tile's rows overwrite the row table and its sources.
     __syncthreads();
+    phase_mark(clock, kEpilogue);
     // Once this tile's A and statistics are read, the next tile's may overwrite them.
     if (clustered && tile + gridDim.x / parts < args.tiles) cluster_arrive();
   }
@@ -783,12 +823,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
   const int first_group = clustered ? part * share : 0;
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
+  constexpr int clock = kFirstClock + (Split ? kClockKinds : 0);
 
+  phase_mark(clock, kStart);
   let_next_kernel_start();
   if (clustered) join_exchanges(rows.exchanges);
   load_stage1_weight(args, Kp, w1, b1);
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
+  phase_mark(clock, kPrologue);
   uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
   for (int tile = static_cast<int>(blockIdx.x) / parts; tile < args.tiles; tile += tile_step, parity ^= 1) {
     if (clustered && threadIdx.x == 0) rows.exchanges.parity = parity;
@@ -810,12 +853,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       load_image_window<T, T, K>(args, static_cast<const T*>(args.images), n, y0_origin, x0_origin, image);
     }
     __syncthreads();
+    phase_mark(clock, kWindow);
 
     stage1_depthwise<T, K>(args, image, taps1, d1, inside, saved_rows1, padded_rows, n, y1_origin, x1_origin);
     __syncthreads();
+    phase_mark(clock, kStage1Depthwise);
 
     stage1_pointwise(args, d1, inside, w1, b1, s1, first_group, share);
     __syncthreads();
+    phase_mark(clock, kStage1Pointwise);
 
     if (args.stride2 == 2) {
       stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
@@ -823,13 +869,16 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
     }
     __syncthreads();
+    phase_mark(clock, kDepthwise);
     if constexpr (clustered) {
       exchange_depthwise_shares(a_tile, a_stride, kRowGroups * s.channel_groups.value, first_group * kRowGroups,
                                 (first_group + share) * kRowGroups, part, parts, rows.exchanges);
+      phase_mark(clock, kExchange);
     }
-    finish_block<T, Split>(shared, args.layout, s, rows, part);
+    finish_block<T, Split>(shared, args.layout, s, rows, part, clock);
     // The next tile's rows and image window overwrite the row table and the output tile.
     __syncthreads();
+    phase_mark(clock, kEpilogue);
     // Once this tile's A and statistics are read, the next tile's may overwrite them.
     if (clustered && tile + tile_step < args.tiles) cluster_arrive();
   }
@@ -1359,3 +1408,30 @@ TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizePro
 
 }  // namespace cuda
 }  // namespace lumenbridge
+
+#ifdef LUMENBRIDGE_PHASE_CLOCKS
+namespace lumenbridge {
+namespace cuda {
+namespace {
+
+// The phase clocks' stamps since the last call on the current device, as
+// int64 [2 * kClockKinds, kClockBlocks, kPhaseMarks, 2] (global timer ns,
+// SM cycles; zero where a block stamped none), then cleared.
+at::Tensor read_phase_clocks() {
+  at::Tensor stamps =
+      at::empty({2 * fused::kClockKinds, fused::kClockBlocks, fused::kPhaseMarks, 2}, at::TensorOptions(at::kLong));
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(stamps.data_ptr(), fused::phase_clocks, stamps.nbytes()));
+  void* device_stamps = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&device_stamps, fused::phase_clocks));
+  C10_CUDA_CHECK(cudaMemset(device_stamps, 0, stamps.nbytes()));
+  return stamps;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lumenbridge, m) { m.def("phase_clocks() -> Tensor", &read_phase_clocks); }
+
+}  // namespace cuda
+}  // namespace lumenbridge
+#endif

@@ -16,8 +16,10 @@
 #   backward, which racecheck cannot run: see below); BENCHES
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
 #   per-kernel times of a forward and of a training step, pipeline, the
-#   tokenize command end to end, and trace, a torch.profiler timeline of one
-#   tokenize run of every thread, $OUT/trace.json.gz); FUSED_BENCH_ARGS goes to
+#   tokenize command end to end, trace, a torch.profiler timeline of one
+#   tokenize run of every thread, $OUT/trace.json.gz, and clock,
+#   scripts/phase_clock.py at each batch of CLOCK_BATCHES, default "1 8",
+#   which builds the clocked extension first); FUSED_BENCH_ARGS goes to
 #   bench_fused.py (--quick, --cases), PIPELINE_BENCH_ARGS to bench_pipeline.py
 #   (--runs), TRACE_ARGS to scripts/trace_pipeline.py as tokenize's arguments
 #   (required: the images and --out; the step fails without them).
@@ -101,6 +103,12 @@ if [[ $parts == *" bench "* ]]; then
   # shellcheck disable=SC2086
   [[ $benches == *" pipeline "* ]] && step pipeline-benchmark python3 benchmarks/bench_pipeline.py --out "$OUT" \
     ${PIPELINE_BENCH_ARGS:-}
+  # The phase clocks' development build (its own extension cache) at each batch of CLOCK_BATCHES.
+  if [[ $benches == *" clock "* ]]; then
+    for batch in ${CLOCK_BATCHES:-1 8}; do
+      step "phase-clock-b$batch" python3 scripts/phase_clock.py --batch "$batch" && cat "$OUT/phase-clock-b$batch.log"
+    done
+  fi
   # shellcheck disable=SC2086
   [[ $benches == *" trace "* ]] && step pipeline-trace python3 scripts/trace_pipeline.py --trace "$OUT/trace.json.gz" -- \
     ${TRACE_ARGS:-}

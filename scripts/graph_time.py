@@ -41,8 +41,8 @@ def per_forward_us(replay_ms: list[float], forwards: int) -> tuple[float, float]
     return statistics.median(times), min(times)
 
 
-def replay_ms(model: VisualTokenizer, images: torch.Tensor, forwards: int, replays: int) -> list[float]:
-    """Times of `replays` replays of one graph of `forwards` forwards."""
+def captured_forwards(model: VisualTokenizer, images: torch.Tensor, forwards: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `forwards` forwards, replayed once."""
     with torch.inference_mode():
         for _ in range(3):  # the first calls' one-time work stays out of the graph
             model(images)
@@ -50,15 +50,21 @@ def replay_ms(model: VisualTokenizer, images: torch.Tensor, forwards: int, repla
         with torch.cuda.graph(graph):
             for _ in range(forwards):
                 model(images)
+    graph.replay()
+    return graph
+
+
+def replay_ms(model: VisualTokenizer, images: torch.Tensor, forwards: int, replays: int) -> list[float]:
+    """Times of `replays` replays of one graph of `forwards` forwards."""
+    graph = captured_forwards(model, images, forwards)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return times
 
 

@@ -43,6 +43,7 @@ import torch
 from lumenbridge import VisualTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_time import captured_forwards
 from profile_tokenize import images as sample_images
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,18 +71,10 @@ def stamps_of_one_forward(batch: int, forwards: int, dtype: torch.dtype, kind: s
     """The stamps [kernels, blocks, marks, (ns, cycles)] of the last forward
     of a replayed graph of `forwards` forwards."""
     model = VisualTokenizer(backend="native").to("cuda", dtype).eval()
-    images = sample_images(kind, batch, dtype)
-    with torch.inference_mode():
-        for _ in range(3):  # the first calls' one-time work stays out of the graph
-            model(images)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(forwards):
-                model(images)
-        graph.replay()
-        torch.ops.lumenbridge.phase_clocks()  # clears
-        graph.replay()
-        return torch.ops.lumenbridge.phase_clocks()
+    graph = captured_forwards(model, sample_images(kind, batch, dtype), forwards)
+    torch.ops.lumenbridge.phase_clocks()  # clears
+    graph.replay()
+    return torch.ops.lumenbridge.phase_clocks()
 
 
 def us(cycles: float, ghz: float) -> str:

@@ -47,7 +47,7 @@ from graph_time import captured_forwards
 from profile_tokenize import images as sample_images
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# The kernels and phase marks of tokenize_fused.cu's ClockKernel and PhaseMark, in order.
+# The kernels and phase marks of phase_clocks.cuh's ClockKernel and PhaseMark, in order.
 KERNELS = ("first", "stage, 8 warps", "stage, 16 warps")
 MARKS = (
     "start",
@@ -58,6 +58,8 @@ MARKS = (
     "depthwise",
     "exchange",
     "gemm",
+    "own row statistics",
+    "row statistics",
     "epilogue",
 )
 

@@ -22,6 +22,7 @@
 #include "../tokenize.h"
 #include "common.cuh"
 #include "packed_activation.cuh"
+#include "phase_clocks.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -651,7 +652,8 @@ __device__ __forceinline__ void warp_sums(float (&values)[N]) {
 // over each part's columns, combined across the cluster's parts. Returns
 // behind a barrier.
 template <typename T, bool Split>
-__device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
+__device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows,
+                               int clock_kernel) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int c0 = o.template first_column<Split>(part), width = o.template width<Split>(), c1 = c0 + width;
   // With Split, one exchange across the cluster: each part writes its rows'
@@ -698,6 +700,7 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
   }
   if constexpr (Split) {
     __syncthreads();  // this part's own statistics
+    phase_mark(clock_kernel, kOwnStatistics);
     constexpr uint32_t kBytesFromEachPart = 2 * kTileRows * sizeof(float);
     receive(rows.exchanges.statistics, (o.parts - 1) * kBytesFromEachPart, rows.exchanges.parity);
     for (int r = threadIdx.x; r < kTileRows; r += blockDim.x) {
@@ -715,15 +718,17 @@ __device__ void row_statistics(const T* tile, int stride, const TileOutput<T>& o
     }
   }
   __syncthreads();
+  phase_mark(clock_kernel, kStatistics);
 }
 
 // Writes the block's tile, or with Split its part of the columns, (after
 // the GEMM, behind a barrier) to device memory.
 template <typename T, bool Split>
-__device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows) {
+__device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, int part, RowInfo& rows,
+                           int clock_kernel) {
   const bool norm = o.norm_weight != nullptr;
   const int column0 = o.template first_column<Split>(part), columns = o.template width<Split>();
-  if (norm) row_statistics<T, Split>(tile, stride, o, part, rows);
+  if (norm) row_statistics<T, Split>(tile, stride, o, part, rows, clock_kernel);
   // One value of the tile as written: normed, activated (act of a value in
   // the low half of a pair; the high half's result is unused) or as it is.
   auto transform = [&](T value, int r, int c) {

@@ -103,35 +103,6 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
   }
 }
 
-// ---- phase clocks (development builds) --------------------------------------------
-
-// Built with -DLUMENBRIDGE_PHASE_CLOCKS (LUMENBRIDGE_PHASE_CLOCKS=1 at build
-// time; scripts/phase_clock.py), thread 0 of each block stamps the global
-// timer and its SM's cycle counter at each phase boundary of its tiles (the
-// last tile's stamps stay), which lumenbridge::phase_clocks returns: how long
-// each phase takes on every block, and so which block and phase hold a
-// one-wave launch, which stall samples do not show. Elsewhere the marks
-// compile to nothing.
-enum ClockKernel { kFirstClock, kStageClock, kWideStageClock, kClockKinds };  // + kClockKinds where split
-enum PhaseMark { kStart, kPrologue, kWindow, kStage1Depthwise, kStage1Pointwise, kDepthwise, kExchange, kGemm,
-                 kEpilogue, kPhaseMarks };
-constexpr int kClockBlocks = 2048;
-
-#ifdef LUMENBRIDGE_PHASE_CLOCKS
-__device__ unsigned long long phase_clocks[2 * kClockKinds][kClockBlocks][kPhaseMarks][2];
-
-__device__ __forceinline__ void phase_mark(int kernel, PhaseMark mark) {
-  if (threadIdx.x == 0 && blockIdx.x < kClockBlocks) {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    phase_clocks[kernel][blockIdx.x][mark][0] = ns;
-    phase_clocks[kernel][blockIdx.x][mark][1] = clock64();
-  }
-}
-#else
-__device__ __forceinline__ void phase_mark(int, PhaseMark) {}
-#endif
-
 // The GEMM and the epilogue, once a block's A tile is complete (and, for
 // tokenize_for_training, A saved on the way): of all the output columns, or
 // with Split of the block's part of them (the tile's first part saves A).
@@ -156,7 +127,7 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   }
   __syncthreads();
   phase_mark(clock_kernel, kGemm);
-  write_tile<T, Split>(out_tile, out_stride, s.output, part, rows);
+  write_tile<T, Split>(out_tile, out_stride, s.output, part, rows, clock_kernel);
 }
 
 // Copies `total` elements of a small tensor (weights, taps) into shared

@@ -1,0 +1,52 @@
+// Phase clocks, in development builds only (-DLUMENBRIDGE_PHASE_CLOCKS:
+// LUMENBRIDGE_PHASE_CLOCKS=1 at build time; scripts/phase_clock.py): thread 0
+// of each block of the fused kernels stamps the global timer and its SM's
+// cycle counter at each phase boundary of its tiles (the last tile's stamps
+// stay), which lumenbridge::phase_clocks (tokenize_fused.cu) returns: how
+// long each phase takes on every block, and so which block and phase hold a
+// one-wave launch, which stall samples do not show. Elsewhere the marks
+// compile to nothing. scripts/phase_clock.py names the kernels and marks in
+// this order.
+#pragma once
+
+namespace lumenbridge {
+namespace cuda {
+namespace fused {
+namespace {
+
+enum ClockKernel { kFirstClock, kStageClock, kWideStageClock, kClockKinds };  // + kClockKinds where split
+enum PhaseMark {
+  kStart,
+  kPrologue,
+  kWindow,
+  kStage1Depthwise,
+  kStage1Pointwise,
+  kDepthwise,
+  kExchange,
+  kGemm,
+  kOwnStatistics,  // a token norm's row statistics over the block's columns, sent to the other parts
+  kStatistics,     // and combined with theirs
+  kEpilogue,
+  kPhaseMarks
+};
+constexpr int kClockBlocks = 2048;
+
+#ifdef LUMENBRIDGE_PHASE_CLOCKS
+__device__ unsigned long long phase_clocks[2 * kClockKinds][kClockBlocks][kPhaseMarks][2];
+
+__device__ __forceinline__ void phase_mark(int kernel, PhaseMark mark) {
+  if (threadIdx.x == 0 && blockIdx.x < kClockBlocks) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    phase_clocks[kernel][blockIdx.x][mark][0] = ns;
+    phase_clocks[kernel][blockIdx.x][mark][1] = clock64();
+  }
+}
+#else
+__device__ __forceinline__ void phase_mark(int, PhaseMark) {}
+#endif
+
+}  // namespace
+}  // namespace fused
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -3,10 +3,10 @@
 A development build of the extension (LUMENBRIDGE_PHASE_CLOCKS=1, which this
 script sets before it loads one, building it in its own cache if needed) has
 thread 0 of every block of the fused kernels stamp the global timer and its
-SM's cycle counter at each phase boundary (tokenize_fused.cu, "phase
-clocks"). One lumenbridge-base forward is replayed from a CUDA graph after
---forwards others, as scripts/graph_time.py replays them, and its stamps are
-read back. For each kernel it prints when its blocks started against its
+SM's cycle counter at each phase boundary (phase_clocks.cuh, whose
+enumerators label the tables). One lumenbridge-base forward is replayed
+from a CUDA graph after --forwards others, as scripts/graph_time.py replays
+them, and its stamps are read back. For each kernel it prints when its blocks started against its
 first, each phase's time on the median and on the slowest block, and which
 block ended last with its phases: at small batches a launch is one wave, so
 that block's phases are the kernel's time, which ncu's stall samples (a
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -47,21 +48,19 @@ from graph_time import captured_forwards
 from profile_tokenize import images as sample_images
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# The kernels and phase marks of phase_clocks.cuh's ClockKernel and PhaseMark, in order.
-KERNELS = ("first", "stage, 8 warps", "stage, 16 warps")
-MARKS = (
-    "start",
-    "prologue",
-    "image window",
-    "stage-1 depthwise",
-    "stage-1 pointwise",
-    "depthwise",
-    "exchange",
-    "gemm",
-    "own row statistics",
-    "row statistics",
-    "epilogue",
-)
+CLOCKS_HEADER = extension.CSRC / "cuda" / "phase_clocks.cuh"
+
+
+def enumerators(enum: str) -> tuple[str, ...]:
+    """The labels of `enum`'s enumerators in phase_clocks.cuh, in order, less
+    the last (their count): kStage1Depthwise -> "stage1 depthwise"."""
+    body = re.search(rf"enum {enum} \{{(.*?)\}};", CLOCKS_HEADER.read_text(), re.DOTALL).group(1)
+    names = [name.strip() for name in re.sub(r"//[^\n]*", "", body).split(",") if name.strip()]
+    return tuple(re.sub(r"(?<!^)(?=[A-Z])", " ", name[1:]).lower() for name in names[:-1])
+
+
+KERNELS = enumerators("ClockKernel")
+MARKS = enumerators("PhaseMark")
 
 
 def kernel_name(index: int) -> str:

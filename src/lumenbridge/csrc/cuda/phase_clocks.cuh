@@ -5,8 +5,8 @@
 // stay), which lumenbridge::phase_clocks (tokenize_fused.cu) returns: how
 // long each phase takes on every block, and so which block and phase hold a
 // one-wave launch, which stall samples do not show. Elsewhere the marks
-// compile to nothing. scripts/phase_clock.py names the kernels and marks in
-// this order.
+// compile to nothing. scripts/phase_clock.py labels the stamps with the
+// enumerators below, read from this file.
 #pragma once
 
 namespace lumenbridge {
@@ -14,7 +14,9 @@ namespace cuda {
 namespace fused {
 namespace {
 
-enum ClockKernel { kFirstClock, kStageClock, kWideStageClock, kClockKinds };  // + kClockKinds where split
+// Which kernel stamps (a wide stage kernel has 16 warps a block), each kind
+// twice: plain, then split (clock_kernel).
+enum ClockKernel { kFirstKernel, kStageKernel, kWideStageKernel, kClockKinds };
 enum PhaseMark {
   kStart,
   kPrologue,
@@ -30,6 +32,8 @@ enum PhaseMark {
   kPhaseMarks
 };
 constexpr int kClockBlocks = 2048;
+
+constexpr int clock_kernel(ClockKernel kind, bool split) { return kind + (split ? kClockKinds : 0); }
 
 #ifdef LUMENBRIDGE_PHASE_CLOCKS
 __device__ unsigned long long phase_clocks[2 * kClockKinds][kClockBlocks][kPhaseMarks][2];

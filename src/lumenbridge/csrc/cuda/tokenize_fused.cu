@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   const int items = kRowGroups * s.channel_groups.value;
   const int item_begin = clustered ? part * items / parts : 0;
   const int item_end = clustered ? (part + 1) * items / parts : 0;
-  constexpr int clock = (Threads == kThreads ? kStageClock : kWideStageClock) + (Split ? kClockKinds : 0);
+  constexpr int clock = clock_kernel(Threads == kThreads ? kStageKernel : kWideStageKernel, Split);
   phase_mark(clock, kStart);
   let_next_kernel_start();
   if (clustered) join_exchanges(rows.exchanges);
@@ -794,7 +794,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
   const int first_group = clustered ? part * share : 0;
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
-  constexpr int clock = kFirstClock + (Split ? kClockKinds : 0);
+  constexpr int clock = clock_kernel(kFirstKernel, Split);
 
   phase_mark(clock, kStart);
   let_next_kernel_start();

@@ -43,29 +43,34 @@ def _stamp(stamps, kernel, block, marks, start_ns, ns_step, cycles_step):
 
 def test_the_tables_follow_the_stamps():
     stamps = torch.zeros(6, 2048, len(phase_clock.MARKS), 2, dtype=torch.long)
-    statistics = ("own statistics", "statistics")
-    first_marks = [i for i, name in enumerate(phase_clock.MARKS) if name not in statistics]
-    stage_marks = [phase_clock.MARKS.index(name) for name in ("start", "prologue", "depthwise", "gemm", "epilogue")]
-    # A split first kernel, then a stage kernel 3 us after it ends; 1.7 GHz throughout.
+    stage_only = ("tile setup", "own statistics", "statistics")
+    first_marks = [i for i, name in enumerate(phase_clock.MARKS) if name not in stage_only]
+    stage_marks = [
+        phase_clock.MARKS.index(name)
+        for name in ("start", "prologue", "earlier tiles", "tile setup", "depthwise", "gemm", "epilogue")
+    ]
+    # A split first kernel (10 marks), then a stage kernel 3 us after it ends; 1.7 GHz throughout.
     for block in range(3):
         _stamp(stamps, 3, block, first_marks, 1_000_000 + 100 * block, 500, 850)
-    _stamp(stamps, 1, 0, stage_marks, 1_007_200, 1000, 1700)
-    _stamp(stamps, 1, 1, stage_marks, 1_007_300, 2000, 3400)  # the slowest block, ending last
+    _stamp(stamps, 1, 0, stage_marks, 1_007_700, 1000, 1700)
+    _stamp(stamps, 1, 1, stage_marks, 1_007_800, 2000, 3400)  # the slowest block, ending last
     text = "\n".join(phase_clock.report(stamps))
-    assert "## first kernel, split: 3 blocks, 4.20 us from the first start to the last end (1.70 GHz)" in text
-    assert "## stage kernel: 2 blocks, 8.10 us from the first start to the last end (1.70 GHz)" in text
+    assert "## first kernel, split: 3 blocks, 4.70 us from the first start to the last end (1.70 GHz)" in text
+    assert "## stage kernel: 2 blocks, 12.10 us from the first start to the last end (1.70 GHz)" in text
     assert "| exchange | 0.50 | 0.50 | 0.50 |" in text
     assert "| gemm | 1.50 | 2.00 | 2.00 |" in text  # median of 1 and 2 us; block 1's
     assert "block 1 ended last" in text
     order = text.split("## Kernels in order")[1]
-    assert re.search(r"\| first kernel, split \| - \| 4\.20 \|", order)
-    assert re.search(r"\| stage kernel \| 3\.00 \| 8\.10 \|", order)
+    assert re.search(r"\| first kernel, split \| - \| 4\.70 \|", order)
+    assert re.search(r"\| stage kernel \| 3\.00 \| 12\.10 \|", order)
 
 
 def test_the_labels_are_the_headers_enumerators():
     assert phase_clock.KERNELS == ("first kernel", "stage kernel", "wide stage kernel")
     assert phase_clock.MARKS[:2] == ("start", "prologue") and phase_clock.MARKS[-1] == "epilogue"
-    assert {"stage1 depthwise", "gemm", "own statistics", "statistics"} <= set(phase_clock.MARKS)
+    assert {"earlier tiles", "tile setup", "stage1 depthwise", "gemm", "own statistics", "statistics"} <= set(
+        phase_clock.MARKS
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

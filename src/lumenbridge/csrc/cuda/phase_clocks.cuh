@@ -19,8 +19,10 @@ namespace {
 enum ClockKernel { kFirstKernel, kStageKernel, kWideStageKernel, kClockKinds };
 enum PhaseMark {
   kStart,
-  kPrologue,
-  kWindow,
+  kPrologue,      // the block's once-only set-up (the first kernel's weights and taps)
+  kEarlierTiles,  // the top of the block's last tile: every tile before it
+  kTileSetup,     // a stage kernel's row table (and on a block's first tile its taps and the wait)
+  kWindow,        // the first kernel's row table and image window
   kStage1Depthwise,
   kStage1Pointwise,
   kDepthwise,

@@ -439,8 +439,10 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
   phase_mark(clock, kStart);
   let_next_kernel_start();
   if (clustered) join_exchanges(rows.exchanges);
+  phase_mark(clock, kPrologue);
   uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
   for (int64_t tile = first_tile; tile < args.tiles; tile += gridDim.x / parts, parity ^= 1) {
+    phase_mark(clock, kEarlierTiles);
     if (tile == first_tile || args.reload_taps) load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, Cin, s.k_padded);
     if (clustered && threadIdx.x == 0) rows.exchanges.parity = parity;
     for (int r = threadIdx.x; r < kTileRows; r += Threads) {
@@ -454,7 +456,7 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
     }
     if (tile == first_tile) wait_for_previous_kernel();
     __syncthreads();
-    phase_mark(clock, kPrologue);
+    phase_mark(clock, kTileSetup);
 
     const auto depthwise = [&](auto vector) {
       if constexpr (clustered) {
@@ -805,6 +807,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   phase_mark(clock, kPrologue);
   uint32_t parity = 0;  // of the exchanges' barriers, one phase a tile
   for (int tile = static_cast<int>(blockIdx.x) / parts; tile < args.tiles; tile += tile_step, parity ^= 1) {
+    phase_mark(clock, kEarlierTiles);
     if (clustered && threadIdx.x == 0) rows.exchanges.parity = parity;
     const int tile_row = args.tiles_x.quotient(tile);  // over the batch
     const int64_t n = args.tiles_y.quotient(tile_row);

@@ -13,7 +13,7 @@ that block's phases are the kernel's time, which ncu's stall samples (a
 share of every waiting warp) do not show. Then the gaps between kernels.
 
 A block's stamps are those of its last tile; where a block takes several
-tiles (larger batches), its first tile phase also holds the earlier tiles.
+tiles (larger batches), the `earlier tiles` phase holds all before it.
 Phase times come from the SM's cycle counter, converted at the clock rate
 that the stamps give (cycles over nanoseconds on each block); block starts
 and kernel gaps from the global timer. A development tool: the stamps add a

@@ -35,7 +35,8 @@ constexpr int kRowGroups = kTileRows / 16;  // of the mma's 16 rows: depthwise i
 static_assert(kTileRows % 16 == 0, "a block's rows split into the mma's 16");
 constexpr int kNTiles = 3;                  // n8 tiles per warp per pass
 constexpr int kChannelGroup = 32;           // input channels per 16-byte B load
-constexpr int kMaxColumnParts = 4;          // blocks a tile's output columns may split between
+constexpr int kMaxColumnParts = 8;          // blocks a tile's output columns may split between (16-warp blocks)
+constexpr int kMaxNarrowParts = 4;          // the same for 8-warp blocks (step 84: 8 parts slower there)
 static_assert(kMaxColumnParts <= 32, "a lane of each warp writes one part's row statistics");
 
 // Row stride (elements) of a shared [rows x cols] tile, cols a multiple of 8:

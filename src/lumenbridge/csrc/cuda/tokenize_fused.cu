@@ -1057,18 +1057,28 @@ void split_columns(TileOutput<T>& o, int parts) {
   o.units = Divisor::of(o.vector ? o.columns / 8 : o.columns);
 }
 
-// Parts per tile for the `tiles` of a stage kernel's last wave: while that
-// wave of `slots` blocks would leave at least half its blocks idle (every
-// tile is in it at small batches), the columns
-// split in two again, up to kMaxColumnParts, in whole 16-byte units. The
-// parts repeat work (each its tile's rows and taps, and before sm_90 the
-// whole depthwise step), so the split pays where blocks are idle, not where
-// a wave is full.
+// Parts per tile for the `tiles` of a stage kernel's last wave, on `sms`
+// SMs: the columns split in two again, in whole 16-byte units, up to
+// kMaxNarrowParts while the split wave keeps to one block an SM, and a
+// `wide` kernel's (16-warp blocks: a wide last stage, whose GEMM a block's
+// shared-memory and L2 bandwidth bound) on up to kMaxColumnParts while it
+// keeps to a quarter of the SMs. The parts repeat work (each its tile's rows
+// and taps, and before sm_90 the whole depthwise step), so the split pays
+// where SMs are idle. Measured on lumenbridge-base (H100, benchmarks/NOTES.md,
+// step 88): stage 3 at B = 4 in 2 parts (98 blocks) 1.3 us faster than in 4
+// (196, two on some SMs); the last stage in 8 parts 1-1.5 us faster at B = 1
+// (32 blocks), 0.5 us slower at B = 2 (56).
 template <typename T>
-int column_parts(int64_t tiles, int64_t slots, const TileOutput<T>& o) {
+int column_parts(int64_t tiles, int64_t sms, const TileOutput<T>& o, bool wide) {
   if (!o.vector) return 1;
+  const auto splits_again = [&](int parts) {
+    const int next = parts * 2;
+    const int64_t most_blocks = next <= kMaxNarrowParts ? sms : sms / 4;
+    return next <= (wide ? kMaxColumnParts : kMaxNarrowParts) && tiles * next <= most_blocks &&
+           (o.channels / 8) % next == 0;
+  };
   int parts = 1;
-  while (parts < kMaxColumnParts && tiles * parts * 2 <= slots && (o.channels / 8) % (parts * 2) == 0) parts *= 2;
+  while (splits_again(parts)) parts *= 2;
   return parts;
 }
 
@@ -1123,7 +1133,7 @@ TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const
 // Parts per first-kernel tile: where the tiles split `parts` ways still fit
 // one wave of `slots` blocks, all as clusters the device holds at once
 // (resident_clusters: 0 for a kernel without cluster code, whose tiles do
-// not split), the most parts up to kMaxColumnParts that divide both stage
+// not split), the most parts up to kMaxNarrowParts that divide both stage
 // 2's input channel groups (the parts share them) and its output's 16-byte
 // units: lumenbridge-base at B = 1 has 49 tiles, 3 groups and 24 units, so
 // 3 parts, 147 blocks of 264. The parts repeat the image window and the
@@ -1133,7 +1143,7 @@ int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g, Kern
                        size_t shared_bytes) {
   if (!g.output.vector) return 1;
   const int groups = g.channel_groups.value;
-  for (int parts = std::min(kMaxColumnParts, groups); parts > 1; --parts) {
+  for (int parts = std::min(kMaxNarrowParts, groups); parts > 1; --parts) {
     if (groups % parts == 0 && (g.output.channels / 8) % parts == 0 && tiles * parts <= slots &&
         resident_clusters(split_kernel, kThreads, shared_bytes, parts) >= tiles) {
       return parts;
@@ -1234,11 +1244,11 @@ Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i
                                : fused_stage_kernel<T, K, 2 * kThreads, split.value>;
   };
   const int64_t slots = one_wave(threads == kThreads ? 2 : 1);
-  // Whole waves run unsplit; the tiles of a last wave that would leave at
-  // least half its blocks idle (all of them at small batches) split their
-  // columns, as a launch of their own.
+  // Whole waves run unsplit; the tiles of a last wave that leaves SMs idle
+  // (all of them at small batches) split their columns where column_parts
+  // says, as a launch of their own.
   const int64_t tail = a.tiles <= slots ? a.tiles : a.tiles % slots;
-  int parts = tail == 0 ? 1 : column_parts(tail, slots, a.gemm.output);
+  int parts = tail == 0 ? 1 : column_parts(tail, one_wave(1), a.gemm.output, threads != kThreads);
   // A tile's parts run as a thread-block cluster, all resident at once,
   // where the kernel has cluster code (sm_90 and later): they share the
   // depthwise step and a token norm's row statistics (over the whole row).

@@ -107,7 +107,8 @@ def tokenize_cases() -> list[TokenizeCase]:
         # row statistics crossing a cluster of three parts.
         _case("base-k5-stride-1-second", rep(BASE, kernel_size=5, strides=(2, 1, 2, 2))),
         # The benchmark's B = 1: on a GPU from sm_90 the first kernel splits
-        # its 49 tiles in three, stages 3 and 4 theirs in clusters of four.
+        # its 49 tiles in three, stage 3 its 13 in clusters of four and, with
+        # 132 SMs, the last stage its 4 in clusters of eight.
         _case("base-batch-1", batch=1),
         _case(
             "two-stages-split",
@@ -130,16 +131,17 @@ def many_tile_cases() -> list[TokenizeCase]:
     memory, so that kernel loads its taps again for every tile, and its
     blocks take two tiles each before the last 24 of 288 split four ways. A
     stage kernel runs its whole waves unsplit and splits the tiles of a last
-    wave that is at most half full, as a launch of their own, in clusters
-    (from sm_90: a tile's parts share its depthwise step and a token norm's
-    row statistics); the small and base presets run the benchmark's widths:
-    small at 48 splits stage 3's last 60 of 588 tiles in four, base at 24
-    stage 3's last 30 of 294 in four, base at 64 (the benchmark's batch) the
-    last stage's last 64 of 196 in two;
-    the last stages of small at 48 (147 tiles for 264 blocks) and base at
-    24 (74 for 132) run unsplit, more than half a wave. Which path runs is
-    not observable from Python: these counts are the launch code's, for an
-    H200, and need the runtime to report enough resident clusters."""
+    wave that leaves SMs idle, as a launch of their own, in clusters (from
+    sm_90: a tile's parts share its depthwise step and a token norm's row
+    statistics), while the split wave keeps to one block an SM; the small
+    and base presets run the benchmark's widths: small at 48 splits stage
+    3's last 60 of 588 tiles in two, base at 24 stage 3's last 30 of 294 in
+    four, base at 64 (the benchmark's batch) the last stage's last 64 of 196
+    in two; the last stages of small at 48 (147 tiles for 264 blocks) and
+    base at 24 (74 for 132) run unsplit, as split they would put two blocks
+    on some SMs. Which path runs is not observable from Python: these counts
+    are the launch code's, for an H200 or H100 (132 SMs), and need the
+    runtime to report enough resident clusters."""
     large_k7 = dataclasses.replace(TokenizerConfig.preset("lumenbridge-large"), kernel_size=7)
     return [
         _case("many-tiles-every-kernel", NARROW, batch=72, size=(256, 256)),

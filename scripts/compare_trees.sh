@@ -4,8 +4,8 @@
 # commit's, or that of a directory holding src/, for a machine whose copy of
 # the checkout has no git history) is copied and built (in parallel, each
 # with its own extension cache), then scripts/profile_tokenize.py (this
-# checkout's) runs against each build in turn, twice, and the fused
-# kernels' lines are printed tree by tree. Logs go to $OUT (default:
+# checkout's) runs against each build in turn, PROFILE_ROUNDS times, and the
+# fused kernels' lines are printed tree by tree. Logs go to $OUT (default:
 # compare_out/).
 #   bash scripts/compare_trees.sh TREE [TREE...]   TREE: a commit or a directory
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
@@ -26,6 +26,11 @@
 #   GRAPH_ARGS= ), does the same with scripts/graph_time.py: the GPU time of
 #   a forward replayed from a CUDA graph, steady to about 1% where the
 #   benchmark's eager calls at small batches are not.
+#   PROFILE_ROUNDS: rounds of profile_tokenize.py (default 2; 0 runs none).
+#   CLOCK_ARGS, if set (e.g. "--batch 1"), runs scripts/phase_clock.py with
+#   them on each tree after the timings above, first building every
+#   tree's phase-clock
+#   extension (LUMENBRIDGE_PHASE_CLOCKS=1, in its own cache) side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -67,7 +72,8 @@ if [ -n "${TEST_ARGS:-}" ]; then
     echo "tests $name: $(tail -n 1 "$OUT/test-$name.log")"
   done
 fi
-for round in 1 2; do
+profile_rounds=$(seq "${PROFILE_ROUNDS:-2}")
+for round in $profile_rounds; do
   for name in "${names[@]}"; do
     # shellcheck disable=SC2086
     TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
@@ -75,7 +81,7 @@ for round in 1 2; do
   done
 done
 for name in "${names[@]}"; do
-  for round in 1 2; do
+  for round in $profile_rounds; do
     echo "== $name, round $round"
     grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
   done
@@ -103,6 +109,20 @@ fi
 if [ -n "${GRAPH_ARGS+set}" ]; then
   eval "graph_args=($GRAPH_ARGS)"
   in_turns graph "^B=" python3 scripts/graph_time.py "${graph_args[@]}"
+fi
+if [ -n "${CLOCK_ARGS+set}" ]; then
+  eval "clock_args=($CLOCK_ARGS)"
+  for name in "${names[@]}"; do
+    (LUMENBRIDGE_PHASE_CLOCKS=1 TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+      python3 -m lumenbridge build >"$OUT/clock-build-$name.log" 2>&1) &
+  done
+  wait
+  for name in "${names[@]}"; do
+    TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+      python3 scripts/phase_clock.py "${clock_args[@]}" >"$OUT/clock-$name.log" 2>&1 || status=1
+    echo "== clock $name"
+    cat "$OUT/clock-$name.log"
+  done
 fi
 if [ -n "${NCU_KERNELS:-}" ]; then
   for name in "${names[@]}"; do

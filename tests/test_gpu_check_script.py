@@ -28,12 +28,18 @@ exit "${{RC_{name}:-0}}"
 """
 
 
-def run_script(tmp_path: Path, *parts: str, **exit_codes: str) -> subprocess.CompletedProcess:
+def stub_tools(tmp_path: Path) -> Path:
+    """A folder of the stand-ins, to put first on PATH."""
     stubs = tmp_path / "bin"
     stubs.mkdir(parents=True)
     for program in ("python3", "nvidia-smi", "compute-sanitizer", "nvcc"):
         (stubs / program).write_text(STUB.format(name=program.replace("-", "_").upper()))
         (stubs / program).chmod(0o755)
+    return stubs
+
+
+def run_script(tmp_path: Path, *parts: str, **exit_codes: str) -> subprocess.CompletedProcess:
+    stubs = stub_tools(tmp_path)
     if exit_codes.pop("no_sanitizer", None):
         (stubs / "compute-sanitizer").unlink()
     env = {
@@ -151,6 +157,35 @@ def test_compare_trees_refuses_two_trees_of_one_name_before_building(tmp_path):
     )
     assert run.returncode == 2 and "two trees are named main" in run.stderr
     assert not (tmp_path / "root").exists()  # nothing copied or built
+
+
+def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(tmp_path):
+    for tree in ("main", "step"):
+        (tmp_path / tree / "src").mkdir(parents=True)
+    argv_log = tmp_path / "argv.log"
+    env = {
+        **os.environ,
+        "PATH": f"{stub_tools(tmp_path)}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "OUT": str(tmp_path / "out"),
+        "ROOT": str(tmp_path / "root"),
+        "ARGV_LOG": str(argv_log),
+        "PROFILE_ROUNDS": "0",
+        "CLOCK_ARGS": "--batch 1 --forwards 5",
+    }
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "compare_trees.sh"), str(tmp_path / "main"), str(tmp_path / "step")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    calls = argv_log.read_text().splitlines()
+    assert calls.count("-m lumenbridge build") == 4  # each tree's extension, then its clocked one
+    assert calls.count("scripts/phase_clock.py --batch 1 --forwards 5") == 2
+    assert not any("profile_tokenize" in call for call in calls)
+    assert run.stdout.index("== clock main") < run.stdout.index("== clock step")
 
 
 def test_bench_fused_refuses_a_provider_it_does_not_have():

@@ -28,9 +28,9 @@
 #   benchmark's eager calls at small batches are not.
 #   PROFILE_ROUNDS: rounds of profile_tokenize.py (default 2; 0 runs none).
 #   CLOCK_ARGS, if set (e.g. "--batch 1"), runs scripts/phase_clock.py with
-#   them on each tree after the timings above, first building every
-#   tree's phase-clock
-#   extension (LUMENBRIDGE_PHASE_CLOCKS=1, in its own cache) side by side.
+#   them on each tree after the timings above, first building every tree's
+#   phase-clock extension (LUMENBRIDGE_PHASE_CLOCKS=1, in its own cache) side
+#   by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}

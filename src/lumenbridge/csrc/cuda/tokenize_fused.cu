@@ -1060,9 +1060,8 @@ void split_columns(TileOutput<T>& o, int parts) {
 // Parts per tile for the `tiles` of a stage kernel's last wave, on `sms`
 // SMs: the columns split in two again, in whole 16-byte units, up to
 // kMaxNarrowParts while the split wave keeps to one block an SM, and a
-// `wide` kernel's (16-warp blocks: a wide last stage, whose GEMM a block's
-// shared-memory and L2 bandwidth bound) on up to kMaxColumnParts while it
-// keeps to a quarter of the SMs. The parts repeat work (each its tile's rows
+// `wide` kernel's (16-warp blocks: a wide last stage) on up to
+// kMaxColumnParts while it keeps to a quarter of the SMs. The parts repeat work (each its tile's rows
 // and taps, and before sm_90 the whole depthwise step), so the split pays
 // where SMs are idle. Measured on lumenbridge-base (H100, benchmarks/NOTES.md,
 // step 88): stage 3 at B = 4 in 2 parts (98 blocks) 1.3 us faster than in 4

@@ -4,13 +4,14 @@ A development build of the extension (LUMENBRIDGE_PHASE_CLOCKS=1, which this
 script sets before it loads one, building it in its own cache if needed) has
 thread 0 of every block of the fused kernels stamp the global timer and its
 SM's cycle counter at each phase boundary (phase_clocks.cuh, whose
-enumerators label the tables). One lumenbridge-base forward is replayed
-from a CUDA graph after --forwards others, as scripts/graph_time.py replays
-them, and its stamps are read back. For each kernel it prints when its blocks started against its
-first, each phase's time on the median and on the slowest block, and which
-block ended last with its phases: at small batches a launch is one wave, so
-that block's phases are the kernel's time, which ncu's stall samples (a
-share of every waiting warp) do not show. Then the gaps between kernels.
+enumerators label the tables). One lumenbridge-base forward is replayed from
+a CUDA graph after --forwards others, as scripts/graph_time.py replays them,
+and its stamps are read back. For each kernel it prints when its blocks
+started against its first, each phase's time on the median and on the
+slowest block, and which block ended last with its phases: at small batches
+a launch is one wave, so that block's phases are the kernel's time, which
+ncu's stall samples (a share of every waiting warp) do not show. Then the
+gaps between kernels.
 
 A block's stamps are those of its last tile; where a block takes several
 tiles (larger batches), the `earlier tiles` phase holds all before it.

@@ -1061,13 +1061,13 @@ void split_columns(TileOutput<T>& o, int parts) {
 // SMs: the columns split in two again, in whole 16-byte units, up to
 // kMaxNarrowParts while the split wave keeps to one block an SM, and a
 // `wide` kernel's (16-warp blocks: a wide last stage) on up to
-// kMaxColumnParts while it keeps to a quarter of the SMs. The parts repeat work (each its tile's rows
-// and taps, and before sm_90 the whole depthwise step), so the split pays
-// where SMs are idle. Measured on lumenbridge-base (H100, benchmarks/NOTES.md,
-// step 88): stage 3 at B = 4 in 2 parts (98 blocks) 1.3 us faster than in 4
-// (196, two on some SMs), at B = 8 unsplit (98) 2.8 us faster than in 2; the
-// last stage in 8 parts 1-1.5 us faster at B = 1 (32 blocks), 0.5 us slower
-// at B = 2 (56).
+// kMaxColumnParts while it keeps to a quarter of the SMs. The parts repeat
+// work (each its tile's rows and taps, and before sm_90 the whole depthwise
+// step), so the split pays where SMs are idle. Measured on lumenbridge-base
+// (H100, benchmarks/NOTES.md, step 88): stage 3 at B = 4 in 2 parts (98
+// blocks) 1.3 us faster than in 4 (196, two on some SMs), at B = 8 unsplit
+// (98) 2.8 us faster than in 2; the last stage in 8 parts 1-1.5 us faster at
+// B = 1 (32 blocks), 0.5 us slower at B = 2 (56).
 template <typename T>
 int column_parts(int64_t tiles, int64_t sms, const TileOutput<T>& o, bool wide) {
   if (!o.vector) return 1;

@@ -651,11 +651,25 @@ def scaled_float16_step(model, images, target, device):
     return grads, scaler.get_scale() == scale
 
 
+def float16_gradients(model, images, target, scale=2.0**10):
+    """A float16 model's parameter gradients of (tokens * target).sum(), the
+    loss scaled by `scale` and the gradients divided by it in float32, as a
+    GradScaler does (which refuses float16 parameters)."""
+    ((model(images).float() * target).sum() * scale).backward()
+    return {name: p.grad.float() / scale for name, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("device", device_params())
 def test_grad_scaler_with_float16_autocast(device, native_ops):
-    """The op's float16 gradients, unscaled, are within 3x the error of
-    PyTorch's own model under the same autocast and GradScaler. Its own
-    generator, so that the cases do not depend on the tests run before it."""
+    """The op's float16 gradients, unscaled, are within 3x PyTorch's error:
+    the larger of its own model's under the same autocast and GradScaler and
+    of that model in float16, the dtype the op computes in. The autocast
+    model's alone depends on the CPU: where oneDNN has AVX512-FP16 and AMX it
+    is more accurate (the second stage's pointwise bias gradient off by
+    0.0049, against 0.0088 with oneDNN held to AVX512_CORE), while the op's
+    was off by 0.0186 on both and the float16 model's by 0.0186 and 0.0181.
+    Its own generator, so that the cases do not depend on the tests run
+    before it."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator).to(device)
     case = TokenizeCase("scaler", NARROW)  # weights that keep the activations' scale
@@ -673,10 +687,15 @@ def test_grad_scaler_with_float16_autocast(device, native_ops):
     results = {
         backend: scaled_float16_step(model_on(backend), images, target, device) for backend in ("native", "reference")
     }
+    float16_grads = float16_gradients(model_on("reference").half(), images, target)
     for name, q in exact.named_parameters():
-        native_grad, reference_grad = (results[b][0][name] for b in ("native", "reference"))
+        native_grad = results["native"][0][name]
         assert native_grad.dtype == torch.float32
-        error, torch_error = ((g.cpu().double() - q.grad).abs().max().item() for g in (native_grad, reference_grad))
+        error, autocast_error, float16_error = (
+            (g.cpu().double() - q.grad).abs().max().item()
+            for g in (native_grad, results["reference"][0][name], float16_grads[name])
+        )
+        torch_error = max(autocast_error, float16_error)
         assert error <= 3 * torch_error + 2.0**-10 * q.grad.abs().max().item(), name
     assert results["native"][1] and results["reference"][1]  # finite gradients: both steps were taken
 

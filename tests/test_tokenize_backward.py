@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lumenbridge import VisualTokenizer, dispatch, native
 from lumenbridge.testing import (
     NARROW,
+    ROUNDING_FLOOR,
     TokenizeCase,
     compare_gradients_to_float64,
     compare_to_float64,
@@ -630,10 +631,14 @@ def test_autocast_hands_the_op_16_byte_aligned_parameters(device, native_ops):
     assert all(p.grad.data_ptr() % 16 == 0 for p in model.parameters())
 
 
+# The loss scale of the float16 training tests, the GradScaler's and the float16 model's.
+LOSS_SCALE = 2.0**10
+
+
 def scaled_float16_step(model, images, target, device):
     """One GradScaler step under float16 autocast; the unscaled gradients, and whether the step was taken."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(device, init_scale=LOSS_SCALE)
     with torch.autocast(device, dtype=torch.float16):
         tokens = model(images)
     # The op runs in the autocast dtype; PyTorch's own model returns float32
@@ -651,12 +656,12 @@ def scaled_float16_step(model, images, target, device):
     return grads, scaler.get_scale() == scale
 
 
-def float16_gradients(model, images, target, scale=2.0**10):
+def float16_gradients(model, images, target):
     """A float16 model's parameter gradients of (tokens * target).sum(), the
-    loss scaled by `scale` and the gradients divided by it in float32, as a
-    GradScaler does (which refuses float16 parameters)."""
-    ((model(images).float() * target).sum() * scale).backward()
-    return {name: p.grad.float() / scale for name, p in model.named_parameters()}
+    loss scaled by LOSS_SCALE and the gradients divided by it in float32, as
+    a GradScaler does (which refuses float16 parameters)."""
+    ((model(images).float() * target).sum() * LOSS_SCALE).backward()
+    return {name: p.grad.float() / LOSS_SCALE for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -696,7 +701,7 @@ def test_grad_scaler_with_float16_autocast(device, native_ops):
             for g in (native_grad, results["reference"][0][name], float16_grads[name])
         )
         torch_error = max(autocast_error, float16_error)
-        assert error <= 3 * torch_error + 2.0**-10 * q.grad.abs().max().item(), name
+        assert error <= 3 * torch_error + ROUNDING_FLOOR[torch.float16] * q.grad.abs().max().item(), name
     assert results["native"][1] and results["reference"][1]  # finite gradients: both steps were taken
 
 

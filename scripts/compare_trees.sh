@@ -30,7 +30,7 @@
 #   CLOCK_ARGS, if set (e.g. "--batch 1"), runs scripts/phase_clock.py with
 #   them on each tree after the timings above, first building every tree's
 #   phase-clock extension (LUMENBRIDGE_PHASE_CLOCKS=1, in its own cache) side
-#   by side.
+#   by side; if one does not build, no clocks run and the script fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-compare_out}
@@ -44,6 +44,24 @@ for tree in "$@"; do
   [[ " ${names[*]} " != *" $name "* ]] || { echo "two trees are named $name: give them distinct names" >&2; exit 2; }
   names+=("$name")
 done
+# build_trees LABEL [VAR=VALUE...]: every tree's extension built side by
+# side, with those variables set (a clocked build keeps a cache of its own);
+# each log, $OUT/LABEL-NAME.log, ends with its rc, and that line is printed.
+# Fails if any build did.
+build_trees() {
+  local label=$1 failed=0
+  shift
+  for name in "${names[@]}"; do
+    (env "$@" TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" python3 -m lumenbridge build \
+      >"$OUT/$label-$name.log" 2>&1; echo "$label $name rc=$?" >>"$OUT/$label-$name.log") &
+  done
+  wait
+  for name in "${names[@]}"; do
+    tail -n 1 "$OUT/$label-$name.log"
+    grep -q "rc=0" "$OUT/$label-$name.log" || failed=1
+  done
+  return $failed
+}
 for tree in "$@"; do
   name=$(basename "$tree")
   # A ROOT used before may hold this name's tree: start it afresh.
@@ -54,16 +72,9 @@ for tree in "$@"; do
   else
     git archive "$tree" src | tar -x -C "$root/$name" || exit 1
   fi
-  (TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" python3 -m lumenbridge build \
-    >"$OUT/build-$name.log" 2>&1; echo "build $name rc=$?" >>"$OUT/build-$name.log") &
 done
-wait
+build_trees build || exit 1
 status=0
-for name in "${names[@]}"; do
-  tail -n 1 "$OUT/build-$name.log"
-  grep -q "rc=0" "$OUT/build-$name.log" || status=1
-done
-[ $status -eq 0 ] || exit 1
 if [ -n "${TEST_ARGS:-}" ]; then
   eval "test_args=($TEST_ARGS)"  # the shell's quoting, so a -k expression may hold spaces
   for name in "${names[@]}"; do
@@ -112,17 +123,16 @@ if [ -n "${GRAPH_ARGS+set}" ]; then
 fi
 if [ -n "${CLOCK_ARGS+set}" ]; then
   eval "clock_args=($CLOCK_ARGS)"
-  for name in "${names[@]}"; do
-    (LUMENBRIDGE_PHASE_CLOCKS=1 TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
-      python3 -m lumenbridge build >"$OUT/clock-build-$name.log" 2>&1) &
-  done
-  wait
-  for name in "${names[@]}"; do
-    TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
-      python3 scripts/phase_clock.py "${clock_args[@]}" >"$OUT/clock-$name.log" 2>&1 || status=1
-    echo "== clock $name"
-    cat "$OUT/clock-$name.log"
-  done
+  if build_trees clock-build LUMENBRIDGE_PHASE_CLOCKS=1; then
+    for name in "${names[@]}"; do
+      TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
+        python3 scripts/phase_clock.py "${clock_args[@]}" >"$OUT/clock-$name.log" 2>&1 || status=1
+      echo "== clock $name"
+      cat "$OUT/clock-$name.log"
+    done
+  else
+    status=1
+  fi
 fi
 if [ -n "${NCU_KERNELS:-}" ]; then
   for name in "${names[@]}"; do

@@ -60,9 +60,10 @@ __device__ __forceinline__ float activation_slope(float x) {
 }
 
 // 2^x by the MUFU alone. Below 2^-126 the result flushes to zero, where
-// exp2f's own form scales twice to return a subnormal (three instructions
-// more a value, SASS); gelu_fit_slope reaches that only at |x| > 29, where
-// ATen's slope is zero in float too.
+// ex2.approx.f32 without .ftz (what __expf compiles to here) halves its
+// argument and squares the result to return a subnormal (a test and two
+// multiplies more a value, SASS); gelu_fit_slope reaches that only at
+// |x| > 29, where ATen's slope is 0 or 1 in float as this one then is.
 __device__ __forceinline__ float exp2_flushed(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

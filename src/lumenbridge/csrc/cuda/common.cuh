@@ -40,6 +40,30 @@ __device__ __forceinline__ void store_vec(T* ptr, const Vec<T, VEC>& value) {
   *reinterpret_cast<Vec<T, VEC>*>(ptr) = value;
 }
 
+// A bf16 pair (low half first) in float: a shift and a mask. Converted a
+// value at a time, each half is first moved into a register of its own (two
+// instructions a value in the SASS).
+__device__ __forceinline__ float2 bf16_pair_to_floats(uint32_t pair) {
+  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+}
+
+// A vector's values in float, bf16 a pair at a time.
+template <typename T, int VEC>
+__device__ __forceinline__ void to_floats(const Vec<T, VEC>& in, float (&out)[VEC]) {
+  if constexpr (std::is_same_v<T, at::BFloat16> && VEC % 2 == 0) {
+    const auto* pairs = reinterpret_cast<const uint32_t*>(in.v);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      const float2 f = bf16_pair_to_floats(pairs[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = static_cast<float>(in.v[i]);
+  }
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ Vec<T, VEC> zero_vec() {
   Vec<T, VEC> r;

@@ -331,13 +331,14 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       }
 #pragma unroll 4
       for (int p = 0; p < 4 * R; ++p) {
-        const Vec<T, kRowTerms> row = load_vec<T, kRowTerms>(window_pixel(row0 + p / 4, p / 2 % 2, p % 2));
+        float row[kRowTerms];
+        to_floats(load_vec<T, kRowTerms>(window_pixel(row0 + p / 4, p / 2 % 2, p % 2)), row);
         Vec<T, L> value;
 #pragma unroll
         for (int e = 0; e < L; ++e) {
           float sum = 0.0f;
 #pragma unroll
-          for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], static_cast<float>(row.v[j]), sum);
+          for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], row[j], sum);
           value.v[e] = static_cast<T>(sum);
         }
         own_slots[p][tid] = value;

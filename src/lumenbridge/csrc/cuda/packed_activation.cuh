@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "activation.cuh"
+#include "common.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -32,7 +33,7 @@ template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t u);
 template <>
 __device__ __forceinline__ float2 unpack2<at::BFloat16>(uint32_t u) {
-  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  return bf16_pair_to_floats(u);
 }
 template <>
 __device__ __forceinline__ float2 unpack2<at::Half>(uint32_t u) {

@@ -45,16 +45,17 @@ struct QuadReach {
 template <typename T, int L>
 __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre, Activation slope) {
   Vec<T, L> result;
+  float x[L];
+  to_floats(pre, x);
   dispatch_activation(slope, [&](auto a) {
     constexpr Activation kKind = decltype(a)::value;
 #pragma unroll
     for (int e = 0; e < L; ++e) {
-      const float x = static_cast<float>(pre.v[e]);
       float s;
       if constexpr (kKind == Activation::GELU && !std::is_same_v<T, float>) {
-        s = gelu_fit_slope(x);
+        s = gelu_fit_slope(x[e]);
       } else {
-        s = activation_slope<kKind>(x);
+        s = activation_slope<kKind>(x[e]);
       }
       result.v[e] = static_cast<T>(value[e] * s);
     }
@@ -79,9 +80,7 @@ __device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
     float g[kCols][L];
 #pragma unroll
     for (int col = 0; col < kCols; ++col) {
-      const Vec<T, L> pixel = load_vec<T, L>(window + (row * ROW_PIXELS + col) * SLAB);
-#pragma unroll
-      for (int e = 0; e < L; ++e) g[col][e] = static_cast<float>(pixel.v[e]);
+      to_floats(load_vec<T, L>(window + (row * ROW_PIXELS + col) * SLAB), g[col]);
     }
 #pragma unroll
     for (int py = 0; py < 2; ++py) {

@@ -38,15 +38,23 @@ class Kernel:
     phases: list[Phase]
 
 
+@dataclass
+class Launch:
+    """One profiled launch: its kernel's name and its instructions' rows."""
+
+    name: str
+    rows: list[dict[str, str]] = field(default_factory=list)
+
+
 def number(text: str) -> float:
     return float(text.replace(",", "")) if text.strip() else 0.0
 
 
-def read_kernels(path: str) -> list[Kernel]:
+def read_launches(path: str) -> list[Launch]:
     """The CSV holds one block per profiled launch: a "Kernel Name" row (which
     ncu may leave out), a header row, then its instructions; each header
-    starts a kernel, and ncu's own messages before a header are skipped."""
-    kernels: list[Kernel] = []
+    starts a launch, and ncu's own messages before a header are skipped."""
+    launches: list[Launch] = []
     header: list[str] | None = None
     name: str | None = None
     with open(path, newline="") as f:
@@ -57,15 +65,25 @@ def read_kernels(path: str) -> list[Kernel]:
                 name = row[1] if len(row) > 1 else "?"
             elif "Address" in row and "Source" in row:
                 header = row
-                kernels.append(Kernel(name or "the profiled kernel", []))
+                launches.append(Launch(name or "the profiled kernel"))
                 name = None
             elif header is not None:
-                add_instruction(kernels[-1], header, row)
+                launches[-1].rows.append(dict(zip(header, row, strict=False)))
+    return launches
+
+
+def read_kernels(path: str) -> list[Kernel]:
+    """Each launch's phases."""
+    kernels = []
+    for launch in read_launches(path):
+        kernel = Kernel(launch.name, [])
+        for value in launch.rows:
+            add_instruction(kernel, value)
+        kernels.append(kernel)
     return kernels
 
 
-def add_instruction(kernel: Kernel, header: list[str], row: list[str]) -> None:
-    value = dict(zip(header, row, strict=False))
+def add_instruction(kernel: Kernel, value: dict[str, str]) -> None:
     if not kernel.phases:
         kernel.phases.append(Phase(start=value["Address"]))
     phase = kernel.phases[-1]

@@ -4,7 +4,8 @@
 # it matches) with their launch shapes (grid, block and cluster sizes: whether a
 # tile split), warp-state statistics, memory traffic and the per-instruction stall
 # samples as CSV, for reading against the SASS, split into the phases between
-# barriers by scripts/ncu_phases.py (phases.md). By default the fused
+# barriers by scripts/ncu_phases.py (phases.md; scripts/ncu_lines.py, on any
+# machine, splits the CSV by source line). By default the fused
 # forward's kernels, from uint8 input; KERNELS (an ncu name regex) picks
 # others, and TRAIN=1 profiles a training step (float input) instead, as in
 # scripts/ncu_tokenize.sh. BATCH sets the batch (default 256). SRC profiles

@@ -26,16 +26,20 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from torch.utils import cpp_extension
 
 from lumenbridge.extension import CSRC, KERNEL_SIZES_DEFINE
 
 # The extension's nvcc flags for Hopper (torch's defaults plus ours; C++20,
-# which recent torch headers need and the older ones accept).
+# which recent torch headers need and the older ones accept). -lineinfo, as
+# the build has it, lets nvdisasm -g name each instruction's source line
+# (scripts/ncu_lines.py) and changes no instruction.
 NVCC_FLAGS = [
     "-std=c++20",
     "-O3",
+    "-lineinfo",
     "-gencode=arch=compute_90a,code=sm_90a",
     "--expt-relaxed-constexpr",
     "-D__CUDA_NO_HALF_OPERATORS__",
@@ -47,6 +51,14 @@ NVCC_FLAGS = [
 ]
 FUNCTION = re.compile(r"^(_Z\S+):$")
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# nvdisasm -g: the source line of the instructions that follow.
+SOURCE_LINE = re.compile(r'^\s*//## File "([^"]*)", line (\d+)')
+
+
+class Instruction(NamedTuple):
+    opcode: str
+    text: str
+    source: str  # "file.cu:line" where the listing names it (nvdisasm -g), else ""
 
 
 def find_nvdisasm(given: str | None) -> str:
@@ -92,16 +104,31 @@ def compile_cubin(source: Path, cubin: Path) -> None:
         sys.exit(f"sass_counts: nvcc failed on {source}:\n{done.stderr}")
 
 
-def kernels_in(sass: str) -> dict[str, list[tuple[str, str]]]:
-    """Each kernel's (mangled name's) instructions in order, as (opcode, line)."""
-    kernels: dict[str, list[tuple[str, str]]] = {}
+def kernels_in(sass: str) -> dict[str, list[Instruction]]:
+    """Each kernel's (mangled name's) instructions in order."""
+    kernels: dict[str, list[Instruction]] = {}
     current = None
+    source = ""
     for line in sass.splitlines():
         if match := FUNCTION.match(line):
             current = kernels.setdefault(match.group(1), [])
+            source = ""
+        elif match := SOURCE_LINE.match(line):
+            source = f"{Path(match.group(1)).name}:{match.group(2)}"
         elif current is not None and (match := INSTRUCTION.match(line)):
-            current.append((match.group(1), line.strip()))
+            current.append(Instruction(match.group(1), line.strip(), source))
     return kernels
+
+
+def disassemble(source: Path, nvdisasm: str, line_info: bool = False) -> dict[str, list[Instruction]]:
+    """`source` compiled with the build's flags, its kernels' instructions
+    (with line_info, each with its source line)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin = Path(scratch) / "kernels.cubin"
+        compile_cubin(source, cubin)
+        flags = ["-g"] if line_info else []
+        listing = subprocess.run([nvdisasm, *flags, "-c", str(cubin)], capture_output=True, text=True, check=True)
+    return kernels_in(listing.stdout)
 
 
 def demangle(names: list[str]) -> list[str]:
@@ -117,12 +144,7 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, help="write each listed kernel's SASS to DIR/<index>.sass")
     parser.add_argument("--nvdisasm", help="the nvdisasm to use")
     args = parser.parse_args()
-    nvdisasm = find_nvdisasm(args.nvdisasm)
-    with tempfile.TemporaryDirectory() as scratch:
-        cubin = Path(scratch) / "kernels.cubin"
-        compile_cubin(args.source, cubin)
-        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    kernels = kernels_in(sass)
+    kernels = disassemble(args.source, find_nvdisasm(args.nvdisasm))
     pattern = re.compile(args.kernels)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -130,11 +152,11 @@ def main() -> None:
         if not pattern.search(name):
             continue
         instructions = kernels[mangled]
-        counts = collections.Counter(opcode for opcode, _ in instructions)
+        counts = collections.Counter(instruction.opcode for instruction in instructions)
         common = ", ".join(f"{opcode} {n}" for opcode, n in counts.most_common(args.top))
         print(f"{len(instructions):6d}  {name[:160]}\n        {common}")
         if args.dump:
-            lines = [line for _, line in instructions]
+            lines = [instruction.text for instruction in instructions]
             (args.dump / f"{index}.sass").write_text(f"// {name}\n" + "\n".join(lines) + "\n")
 
 

@@ -12,9 +12,11 @@ LISTING = """\
 \t.section\t.text._Z5firstv,"ax",@progbits
 _Z5firstv:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
+	//## File "/src/lumenbridge/csrc/cuda/first.cu", line 12
         /*0010*/               @P0 BRA `(.L_x_1) ;
 .L_x_1:
         /*0020*/              @!P1 EXIT ;
+	//## File "/src/lumenbridge/csrc/cuda/common.cuh", line 40
         /*0030*/                   HMMA.16816.F32.BF16 R12, R12, R4, RZ ;
 \t.type\t$__internal_0_$__cuda_sm20_div_s64,@function
 _Z6secondv:
@@ -26,9 +28,15 @@ _Z6secondv:
 def test_kernels_are_split_and_their_opcodes_counted():
     kernels = sass_counts.kernels_in(LISTING)
     assert list(kernels) == ["_Z5firstv", "_Z6secondv"]
-    assert [opcode for opcode, _ in kernels["_Z5firstv"]] == ["LDC", "BRA", "EXIT", "HMMA"]
-    assert [opcode for opcode, _ in kernels["_Z6secondv"]] == ["LDC", "BRA"]
-    assert kernels["_Z5firstv"][3][1].startswith("/*0030*/")
+    assert [i.opcode for i in kernels["_Z5firstv"]] == ["LDC", "BRA", "EXIT", "HMMA"]
+    assert [i.opcode for i in kernels["_Z6secondv"]] == ["LDC", "BRA"]
+    assert kernels["_Z5firstv"][3].text.startswith("/*0030*/")
+
+
+def test_each_instruction_takes_the_source_line_named_before_it():
+    kernels = sass_counts.kernels_in(LISTING)
+    assert [i.source for i in kernels["_Z5firstv"]] == ["", "first.cu:12", "first.cu:12", "common.cuh:40"]
+    assert [i.source for i in kernels["_Z6secondv"]] == ["", ""]  # a new kernel starts with none
 
 
 def test_names_are_demangled():

@@ -25,8 +25,8 @@ from pathlib import Path
 import ncu_phases
 import sass_counts
 
-# The opcode of ncu's "Source" column (SASS without its address), past a predicate.
-OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# The opcode of ncu's "Source" column (SASS without its address).
+OPCODE = re.compile("^" + sass_counts.OPCODE)
 
 
 def opcodes(launch: ncu_phases.Launch) -> list[str]:

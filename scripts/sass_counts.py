@@ -50,7 +50,9 @@ NVCC_FLAGS = [
     KERNEL_SIZES_DEFINE,
 ]
 FUNCTION = re.compile(r"^(_Z\S+):$")
-INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# An instruction's opcode, past its predicate (scripts/ncu_lines.py reads ncu's SASS with it too).
+OPCODE = r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+" + OPCODE)
 # nvdisasm -g: the source line of the instructions that follow.
 SOURCE_LINE = re.compile(r'^\s*//## File "([^"]*)", line (\d+)')
 

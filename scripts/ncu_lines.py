@@ -5,10 +5,10 @@ Reads the per-instruction CSV that scripts/ncu_sources.sh writes
 line info (scripts/sass_counts.py: no GPU needed). Each profiled kernel is
 matched to the compiled kernel with the same opcodes in the same order, and
 each instruction's executed count goes to the source line nvdisasm names for
-it. Prints, per profiled launch (once, where the CSV repeats it), the lines with the largest shares of its
-executed warp instructions, and their opcodes. A profile of another tree, or
-of a build with other flags or another nvcc, matches no compiled kernel, and
-the script says so.
+it. Prints, per profiled launch (once, where the CSV repeats it), the lines
+with the largest shares of its executed warp instructions, and their
+opcodes. A profile of another tree, or of a build with other flags or
+another nvcc, matches no compiled kernel, and the script says so.
 
 Usage: python scripts/ncu_lines.py stalls-sass.csv src/lumenbridge/csrc/cuda/FILE.cu
            [--top N] [--nvdisasm PATH]

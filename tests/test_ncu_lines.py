@@ -42,6 +42,15 @@ def write_profile(path: Path, rows=PROFILED, times=1) -> None:
         csv.writer(f).writerows([["Kernel Name", "kernel()"], HEADER, *rows] * times)
 
 
+def run_script(tmp_path: Path, monkeypatch) -> None:
+    """ncu_lines.main on tmp_path's stalls-sass.csv, with LISTING as the compiled kernels."""
+    monkeypatch.setattr(ncu_lines.sass_counts, "disassemble", lambda *args, **kwargs: sass_counts.kernels_in(LISTING))
+    monkeypatch.setattr(
+        sys, "argv", ["ncu_lines.py", str(tmp_path / "stalls-sass.csv"), "kernel.cu", "--nvdisasm", "nvdisasm"]
+    )
+    ncu_lines.main()
+
+
 def test_the_launch_is_matched_by_its_opcodes_and_counted_by_line(tmp_path):
     write_profile(tmp_path / "stalls-sass.csv")
     (launch,) = ncu_lines.ncu_phases.read_launches(str(tmp_path / "stalls-sass.csv"))
@@ -63,20 +72,12 @@ def test_the_launch_is_matched_by_its_opcodes_and_counted_by_line(tmp_path):
 def test_a_profile_of_other_code_matches_no_kernel(tmp_path, monkeypatch, capsys):
     other = [*PROFILED[:3], ["0x130", "FADD R4, R2, R4", "9", "1,380"], PROFILED[4]]
     write_profile(tmp_path / "stalls-sass.csv", other)
-    monkeypatch.setattr(ncu_lines.sass_counts, "disassemble", lambda *args, **kwargs: sass_counts.kernels_in(LISTING))
-    monkeypatch.setattr(
-        sys, "argv", ["ncu_lines.py", str(tmp_path / "stalls-sass.csv"), "kernel.cu", "--nvdisasm", "nvdisasm"]
-    )
     with pytest.raises(SystemExit, match="no kernel of kernel.cu compiled here has the opcodes of kernel()"):
-        ncu_lines.main()
+        run_script(tmp_path, monkeypatch)
     assert capsys.readouterr().out == ""
 
 
 def test_a_launch_the_csv_repeats_is_listed_once(tmp_path, monkeypatch, capsys):
     write_profile(tmp_path / "stalls-sass.csv", times=2)
-    monkeypatch.setattr(ncu_lines.sass_counts, "disassemble", lambda *args, **kwargs: sass_counts.kernels_in(LISTING))
-    monkeypatch.setattr(
-        sys, "argv", ["ncu_lines.py", str(tmp_path / "stalls-sass.csv"), "kernel.cu", "--nvdisasm", "nvdisasm"]
-    )
-    ncu_lines.main()
+    run_script(tmp_path, monkeypatch)
     assert capsys.readouterr().out.count("## kernel()") == 1

@@ -333,15 +333,14 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       for (int p = 0; p < 4 * R; ++p) {
         float row[kRowTerms];
         to_floats(load_vec<T, kRowTerms>(window_pixel(row0 + p / 4, p / 2 % 2, p % 2)), row);
-        Vec<T, L> value;
+        float value[L];
 #pragma unroll
         for (int e = 0; e < L; ++e) {
-          float sum = 0.0f;
+          value[e] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], row[j], sum);
-          value.v[e] = static_cast<T>(sum);
+          for (int j = 0; j < kRowTerms; ++j) value[e] = fmaf(w[e][j], row[j], value[e]);
         }
-        own_slots[p][tid] = value;
+        own_slots[p][tid] = from_floats<T, L>(value);
       }
     }
     // A row at a time: unrolled, both rows' pixels stay live and the sums spill.
@@ -450,12 +449,8 @@ __global__ void __launch_bounds__(kThreads)
       const float4 v = *reinterpret_cast<const float4*>(shares + s * count + i);
       total = make_float4(total.x + v.x, total.y + v.y, total.z + v.z, total.w + v.w);
     }
-    Vec<T, 4> rounded;
-    rounded.v[0] = static_cast<T>(total.x);
-    rounded.v[1] = static_cast<T>(total.y);
-    rounded.v[2] = static_cast<T>(total.z);
-    rounded.v[3] = static_cast<T>(total.w);
-    store_vec<T, 4>(out + i, rounded);
+    const float sums[4] = {total.x, total.y, total.z, total.w};
+    store_vec<T, 4>(out + i, from_floats<T, 4>(sums));
     return;
   }
   for (int64_t k = i; k < i + 4 && k < count; ++k) {

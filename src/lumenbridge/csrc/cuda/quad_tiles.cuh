@@ -44,7 +44,6 @@ struct QuadReach {
 // thirtieth session.)
 template <typename T, int L>
 __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre, Activation slope) {
-  Vec<T, L> result;
   float x[L];
   to_floats(pre, x);
   dispatch_activation(slope, [&](auto a) {
@@ -57,10 +56,10 @@ __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const
       } else {
         s = activation_slope<kKind>(x[e]);
       }
-      result.v[e] = static_cast<T>(value[e] * s);
+      x[e] = value[e] * s;
     }
   });
-  return result;
+  return from_floats<T, L>(x);
 }
 
 // Visits every (pixel, tap, grad_output pixel) triple of one quad (a, b),
@@ -145,8 +144,7 @@ __device__ __forceinline__ void store_quad(const float (&acc)[2][2][L], T* image
       if constexpr (SLOPE) {
         values[py][px] = slope_scaled<T, L>(acc[py][px], pre_at(py, px), slope);
       } else {
-#pragma unroll
-        for (int e = 0; e < L; ++e) values[py][px].v[e] = static_cast<T>(acc[py][px][e]);
+        values[py][px] = from_floats<T, L>(acc[py][px]);
       }
     }
   }

@@ -86,8 +86,9 @@ struct GeluFit {
 // coefficients times -2 log2(e), and 2u' has its coefficients doubled, so
 // neither u nor the factors take an instruction. Where the exponential
 // overflows (x < -29) r = 0, where it flushes to zero (x > 29) r = 1: the
-// slope is 0 or 1 there, as ATen's is in float. r (1 - r) as fma(-r, r, r)
-// is off by r's rounding near saturation, a slope error below 2e-6. Two
+// slope is 0 or 1 there, as ATen's is in float. Near saturation the slope
+// carries r's error (its rounding, and the reciprocal's two ulp) times up
+// to 1 - x (2u'), about 27: a slope error below 5e-6. Two
 // MUFU operations (exp2, reciprocal) against erff's polynomial and expf in
 // ATen's form; within 1.1e-4 of ATen's slope, which the half types'
 // gradient rule does not see (benchmarks/NOTES.md, thirtieth session), but

@@ -283,9 +283,10 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   using Reach = typename Tile::Reach;
   constexpr int L = Tile::kLane, R = Tile::kRows, kSums = Tile::kSums;
   constexpr int kCentre = (K / 2) * K + K / 2;  // the tap that takes pixel (2a, 2b) from output (a, b)
-  // One chunk's address at a time: with more in flight, the sums spill at
-  // K = 3 (128 registers for two blocks an SM).
-  constexpr int kLoadUnroll = 1;
+  // Two chunks' addresses at a time in half types (ptxas puts its three
+  // spacer instructions before each group of cp.async, not each copy); one
+  // in float, whose K = 5 kernels spill more with two.
+  constexpr int kLoadUnroll = sizeof(T) == 2 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
   __shared__ __align__(16) float pointwise[FROM_ROWS && !Tile::kPreOnTensorCores ? Tile::kSlab : 1][kRowTerms];

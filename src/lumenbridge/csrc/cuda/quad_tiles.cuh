@@ -98,38 +98,36 @@ __device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
   }
 }
 
-// Stores one pixel's L values of an NHWC image at `dst` (its channel c of C):
-// one vector where `whole` (the caller's vector stores hold and the pixel
-// has L channels from c), element by element up to C otherwise.
-template <typename T, int L>
-__device__ __forceinline__ void store_pixel(T* dst, const Vec<T, L>& values, int c, int C, bool whole) {
-  if (whole) {
-    store_vec<T, L>(dst, values);
-  } else {
-#pragma unroll
-    for (int e = 0; e < L; ++e) {
-      if (c + e < C) dst[e] = values.v[e];
-    }
-  }
-}
-
 // Stores a quad's values[py][px] at pixel (y + py, x + px) of an NHWC
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
-// image left out. The quad's address and the vector test once: per pixel,
-// the compiler recomputed both (a 64-bit product, about ten instructions).
+// image left out: one vector a pixel where the caller's vector stores hold
+// and the pixels have L channels from c, element by element up to C
+// otherwise. The quad's address and the vector test once, the test outside
+// the pixels' branches: per pixel, the compiler recomputed the address (a
+// 64-bit product, about ten instructions) and, inside them, the test.
 template <typename T, int L>
 __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2], T* image, int y, int x, int H,
                                                   int W, int C, int c, bool vector_stores) {
   T* const quad = image + (static_cast<int64_t>(y) * W + x) * C;
   const int64_t row = static_cast<int64_t>(W) * C;
-  const bool whole = vector_stores && c + L <= C;
+  const auto for_each_inside = [&](auto&& store) {
 #pragma unroll
-  for (int py = 0; py < 2; ++py) {
+    for (int py = 0; py < 2; ++py) {
 #pragma unroll
-    for (int px = 0; px < 2; ++px) {
-      if (y + py >= H || x + px >= W) continue;
-      store_pixel<T, L>(quad + py * row + px * C, values[py][px], c, C, whole);
+      for (int px = 0; px < 2; ++px) {
+        if (y + py < H && x + px < W) store(quad + py * row + px * C, values[py][px]);
+      }
     }
+  };
+  if (vector_stores && c + L <= C) {
+    for_each_inside([](T* dst, const Vec<T, L>& v) { store_vec<T, L>(dst, v); });
+  } else {
+    for_each_inside([&](T* dst, const Vec<T, L>& v) {
+#pragma unroll
+      for (int e = 0; e < L; ++e) {
+        if (c + e < C) dst[e] = v.v[e];
+      }
+    });
   }
 }
 

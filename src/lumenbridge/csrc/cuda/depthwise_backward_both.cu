@@ -465,8 +465,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll
           for (int px = 0; px < 2; ++px) {
             const bool inside = y + py < H && xs + px < W;
-            own_slot(py, px) =
-                inside ? slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind) : zero_vec<T, L>();
+            const Vec<T, L> g = slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind);
+            own_slot(py, px) = inside ? g : zero_vec<T, L>();
           }
         }
       } else {

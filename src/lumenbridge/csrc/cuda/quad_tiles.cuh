@@ -102,9 +102,10 @@ __device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
 // image left out: one vector a pixel where the caller's vector stores hold
 // and the pixels have L channels from c, element by element up to C
-// otherwise. The quad's address and the vector test once, the test outside
-// the pixels' branches: per pixel, the compiler recomputed the address (a
-// 64-bit product, about ten instructions) and, inside them, the test.
+// otherwise. The quad's address is computed once, and the vector test once
+// outside the pixels' border tests: per pixel, the compiler recomputed the
+// address (a 64-bit product, about ten instructions) and, inside the border
+// branches, the test.
 template <typename T, int L>
 __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2], T* image, int y, int x, int H,
                                                   int W, int C, int c, bool vector_stores) {

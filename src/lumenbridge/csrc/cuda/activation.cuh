@@ -63,7 +63,7 @@ __device__ __forceinline__ float activation_slope(float x) {
 // ex2.approx.f32 without .ftz (what __expf compiles to here) halves its
 // argument and squares the result to return a subnormal (a test and two
 // multiplies more a value, SASS); gelu_fit_slope reaches that only at
-// |x| > 29, where ATen's slope is 0 or 1 in float as this one then is.
+// x > 29, where its slope is then 1, as ATen's is in float.
 __device__ __forceinline__ float exp2_flushed(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -77,27 +77,29 @@ struct GeluFit {
   static constexpr float kP0 = 7.97528333e-1f, kP1 = 3.69923366e-2f, kP2 = -3.49826470e-4f, kClamp = 25.0f;
 };
 
-// The slope of that fit, in float: with u = x p(z), t = tanh(u),
-//   act'(x) = (1 + t) / 2 + x (1 - t^2) u' / 2,  u' = p0 + 3 p1 z + 5 p2 z^2,
-// where (1 + t) / 2 and 1 - t^2 come from e = exp(-2 |u|) <= 1, with no
-// cancellation near saturation: 1 - t^2 = 4 e r^2 with r = 1 / (1 + e).
-// (Past the clamp 1 - t^2 < 3e-6, so u' there matters no more.) Two MUFU
-// operations (exp, reciprocal) against erff's polynomial and expf in ATen's
-// form; within 1.1e-4 of ATen's slope, which the half types' gradient rule
-// does not see (benchmarks/NOTES.md, thirtieth session), but fp32's would.
-// The factors 2 sit in constants (2 u' from doubled coefficients, -2 log2(e)
-// for the exponent), and the exponential is ex2.approx.ftz (exp2_flushed):
-// the same values as writing them out, five instructions fewer.
+// The slope of that fit, in float: with u = x p(z), t = tanh(u) and
+// r = (1 + t) / 2 = 1 / (1 + exp(-2u)),
+//   act'(x) = r + x (1 - t^2) u' / 2 = r + x (2u') r (1 - r),
+//   u' = p0 + 3 p1 z + 5 p2 z^2,
+// as 1 - t^2 = 4 r (1 - r). (Past the clamp 1 - t^2 < 3e-6, so u' there
+// matters no more.) exp(-2u) is 2^(x q(z)), q being p with its
+// coefficients times -2 log2(e), and 2u' has its coefficients doubled, so
+// neither u nor the factors take an instruction. Where the exponential
+// overflows (x < -29) r = 0, where it flushes to zero (x > 29) r = 1: the
+// slope is 0 or 1 there, as ATen's is in float. Near saturation the slope
+// carries r's error (its rounding, and the reciprocal's two ulp) times up
+// to 1 - x (2u'), about 27: a slope error below 5e-6. Two
+// MUFU operations (exp2, reciprocal) against erff's polynomial and expf in
+// ATen's form; within 1.1e-4 of ATen's slope, which the half types'
+// gradient rule does not see (benchmarks/NOTES.md, thirtieth session), but
+// fp32's would.
 __device__ __forceinline__ float gelu_fit_slope(float x) {
-  constexpr float kLog2e = 1.4426950408889634f;  // as __expf scales its argument
+  constexpr float kExponent = -2.0f * 1.4426950408889634f;  // -2 log2(e)
   const float z = fminf(x * x, GeluFit::kClamp);
-  const float p = fmaf(fmaf(z, GeluFit::kP2, GeluFit::kP1), z, GeluFit::kP0);
+  const float q = fmaf(fmaf(z, kExponent * GeluFit::kP2, kExponent * GeluFit::kP1), z, kExponent * GeluFit::kP0);
   const float two_du = fmaf(fmaf(z, 10.0f * GeluFit::kP2, 6.0f * GeluFit::kP1), z, 2.0f * GeluFit::kP0);
-  const float u = x * p;
-  const float e = exp2_flushed(fabsf(u) * (-2.0f * kLog2e));
-  const float r = __fdividef(1.0f, 1.0f + e);
-  const float half_one_plus_t = u >= 0.0f ? r : e * r;
-  return fmaf(x * two_du, e * r * r, half_one_plus_t);
+  const float r = __fdividef(1.0f, 1.0f + exp2_flushed(x * q));
+  return fmaf(x * two_du, fmaf(-r, r, r), r);
 }
 
 }  // namespace cuda

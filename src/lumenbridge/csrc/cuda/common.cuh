@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
@@ -62,6 +64,50 @@ __device__ __forceinline__ void to_floats(const Vec<T, VEC>& in, float (&out)[VE
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out[i] = static_cast<float>(in.v[i]);
   }
+}
+
+// Two floats rounded to a bf16 / fp16 pair (a first, in the low half): one
+// instruction (cvt ... x2), where rounding each value on its own and packing
+// the halves takes three.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<at::BFloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<at::Half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A bf16 / fp16 pair in float (pack2's inverse).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u);
+template <>
+__device__ __forceinline__ float2 unpack2<at::BFloat16>(uint32_t u) {
+  return bf16_pair_to_floats(u);
+}
+template <>
+__device__ __forceinline__ float2 unpack2<at::Half>(uint32_t u) {
+  return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+
+// Floats rounded to a vector of T (to_floats' inverse), half types a pair at
+// a time.
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> from_floats(const float (&in)[VEC]) {
+  Vec<T, VEC> out;
+  if constexpr ((std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) && VEC % 2 == 0) {
+    auto* pairs = reinterpret_cast<uint32_t*>(out.v);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) pairs[i] = pack2<T>(in[2 * i], in[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out.v[i] = static_cast<T>(in[i]);
+  }
+  return out;
 }
 
 template <typename T, int VEC>

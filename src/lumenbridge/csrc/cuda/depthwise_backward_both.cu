@@ -68,20 +68,26 @@ struct BothGradientsTile : NhwcLanes {
   // by two: threads a quad apart read adjacent pixels.
   using Pre = PixelWindow<2 * kOutH, 2 * kOutW, 2, FROM_ROWS ? kRowWidth : kSlab>;
   static constexpr int kPreAt = Grad::kElems, kElems = kPreAt + Pre::kElems;
+  // Where FROM_ROWS in half types, pre is computed on the tensor cores
+  // (pre_on_tensor_cores); in float by FMAs from the terms in float.
+  static constexpr bool kPreOnTensorCores = FROM_ROWS && sizeof(T) == 2;
   static constexpr int kStages = pipeline_stages(kElems * sizeof(T));
   static constexpr size_t kPipelineBytes = kStages * kElems * sizeof(T);
   // The sums go through the tile buffers once the pipeline is done.
   static constexpr size_t kReduceBytes = sizeof(float) * kWarps * kSums * kSlab;
   static constexpr size_t kSharedBytes = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
   // Beside the dynamic buffers: the taps in float, and where FROM_ROWS the
-  // pointwise terms in float, each thread's own slots at its pixels (pre,
+  // pointwise terms (each lane's B operand in half types, pre_terms; in
+  // float, the terms), each thread's own slots at its pixels (pre,
   // computed before the visit; then, in the FOLD instances, the gradient;
   // after the pipeline, the fold's block sums)
   // and, for the fold in half types, g_d's B operand (fold_weights) and the
   // threads' fold constants (fold_lanes).
   static constexpr size_t kTapBytes = sizeof(float) * K * K * kSlab;
   static constexpr size_t kFromRowsBytes =
-      FROM_ROWS ? sizeof(float) * kSlab * kRowTerms + sizeof(T) * 4 * kRows * kLane * kThreads : 0;
+      FROM_ROWS ? (kPreOnTensorCores ? sizeof(uint4) * 32 : sizeof(float) * kSlab * kRowTerms) +
+                      sizeof(T) * 4 * kRows * kLane * kThreads
+                : 0;
   static constexpr size_t kFoldBytes = FROM_ROWS && sizeof(T) == 2 ? sizeof(uint4) * (32 + kThreads) : 0;
   static constexpr size_t kBlockBytes = kSharedBytes + kTapBytes + kFromRowsBytes + kFoldBytes;
   // Where a thread's K * K + 1 sums of four channels would not fit in
@@ -134,6 +140,42 @@ struct FoldTarget {
   float* partials;        // [C, chunks, cin + 1]: the weight sums, then the bias's
   int cin;
 };
+
+// FROM_ROWS in half types: pre at the 32 pixels a warp's threads own (both
+// quad rows), 32 channels, on the tensor cores, into the owners' own slots:
+// per 16 pixels and 8 channels one m16n8k8, A = the pixels' rows (kRowWidth
+// = k: the terms, then zeros) and B = the terms (pre_terms), pre = A B
+// rounded to T. A's row 8 j + r (matrix j of ldmatrix_x4, lane 8 j + r's
+// address `rows_lane`) is the warp's pixel p = 4 (j / 2) + 2 (j % 2) + r / 4
+// of its thread column r % 4; B's column n of block nb is channel
+// 4 (4 (nb / 2) + n / 2) + 2 (nb % 2) + n % 2, so blocks 2k and 2k + 1 give
+// a lane (g, t) the four channels of lane_c = 4k + t at rows g and g + 8,
+// one 8-byte store each. The caller syncs the warp before (the slots'
+// last readers) and after.
+template <typename T, int THREADS, int L, int SLOTS>
+__device__ __forceinline__ void pre_on_tensor_cores(const T* rows_lane, const uint4& terms,
+                                                    Vec<T, L> (&own_slots)[SLOTS][THREADS], int tid) {
+  static_assert(L == 4 && kRowWidth == 8 && SLOTS == 8, "one m16n8k8 per 16 of the warp's 32 pixels, 8 channels");
+  uint32_t a[4];
+  fused::ldmatrix_x4(a, rows_lane);
+  const uint32_t b[4] = {terms.x, terms.y, terms.z, terms.w};
+  const int lane = tid % 32, g = lane / 4, t = lane % 4, warp_first = tid - lane;
+#pragma unroll
+  for (int block = 0; block < 2; ++block) {
+    const uint32_t rows[2] = {a[2 * block], a[2 * block + 1]};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float low[4] = {}, high[4] = {};  // channels 0, 1 and 2, 3 of lane_c = 4k + t
+      fused::mma_1688<T>(low, rows, b[2 * k]);
+      fused::mma_1688<T>(high, rows, b[2 * k + 1]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float pre[4] = {low[2 * half], low[2 * half + 1], high[2 * half], high[2 * half + 1]};
+        own_slots[4 * block + 2 * half + g / 4][warp_first + 8 * (g % 4) + 4 * k + t] = from_floats<T, 4>(pre);
+      }
+    }
+  }
+}
 
 // One warp's share of a tile's narrow-stage pointwise backward (FOLD): the
 // 32 pixels whose gradients its own threads hold, as G's rows 0 .. 31 in
@@ -241,12 +283,17 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
   using Reach = typename Tile::Reach;
   constexpr int L = Tile::kLane, R = Tile::kRows, kSums = Tile::kSums;
   constexpr int kCentre = (K / 2) * K + K / 2;  // the tap that takes pixel (2a, 2b) from output (a, b)
-  // One chunk's address at a time: with more in flight, the sums spill at
-  // K = 3 (128 registers for two blocks an SM).
-  constexpr int kLoadUnroll = 1;
+  // Two chunks' addresses at a time in half types (ptxas puts its three
+  // spacer instructions before each group of cp.async, not each copy); one
+  // in float, whose K = 5 kernels spill more with two.
+  constexpr int kLoadUnroll = sizeof(T) == 2 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ __align__(16) float taps[K * K][Tile::kSlab];
-  __shared__ __align__(16) float pointwise[FROM_ROWS ? Tile::kSlab : 1][kRowTerms];
+  __shared__ __align__(16) float pointwise[FROM_ROWS && !Tile::kPreOnTensorCores ? Tile::kSlab : 1][kRowTerms];
+  // kPreOnTensorCores: each lane's B operand in pre_on_tensor_cores, blocks
+  // nb = 0 .. 3 (lane 4g + t: channel 4 (4 (nb / 2) + g / 2) + 2 (nb % 2) +
+  // g % 2, terms 2t and 2t + 1; zero past the terms or C).
+  __shared__ __align__(16) uint4 pre_terms[Tile::kPreOnTensorCores ? 32 : 1];
   __shared__ __align__(16) Vec<T, L> own_slots[FROM_ROWS ? 4 * R : 1][FROM_ROWS ? Tile::kThreads : 1];
   // FOLD: each lane's part of g_d's B operand, W[c][j] at k = c, n = j (per
   // 16 channels s, rows 2t, 2t + 1 then 2t + 8, 2t + 9 of column g; zero for
@@ -270,11 +317,39 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
     taps[i][ch] = c0 + ch < C ? static_cast<float>(weight[(c0 + ch) * K * K + i]) : 0.0f;
   }
   if constexpr (FROM_ROWS) {
-    for (int k = tid; k < Tile::kSlab * kRowTerms; k += Tile::kThreads) {
-      const int ch = k / kRowTerms, j = k % kRowTerms;
-      pointwise[ch][j] =
-          c0 + ch < C && j < source.terms ? static_cast<float>(source.pointwise[(c0 + ch) * source.terms + j]) : 0.0f;
+    // The pointwise terms W[c][j] (zero past the terms or C).
+    const auto term = [&](int ch, int j) {
+      return c0 + ch < C && j < source.terms ? static_cast<float>(source.pointwise[(c0 + ch) * source.terms + j])
+                                             : 0.0f;
+    };
+    if constexpr (Tile::kPreOnTensorCores) {
+      if (tid < 32) {
+        const int g = tid / 4, t = tid % 4;
+        uint32_t b[4];
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) {
+          const int ch = 4 * (4 * (nb / 2) + g / 2) + 2 * (nb % 2) + g % 2;
+          b[nb] = pack2<T>(term(ch, 2 * t), term(ch, 2 * t + 1));
+        }
+        pre_terms[tid] = make_uint4(b[0], b[1], b[2], b[3]);
+      }
+    } else {
+      for (int k = tid; k < Tile::kSlab * kRowTerms; k += Tile::kThreads) {
+        pointwise[k / kRowTerms][k % kRowTerms] = term(k / kRowTerms, k % kRowTerms);
+      }
     }
+  }
+  // kPreOnTensorCores: this lane's row of A in pre_on_tensor_cores, an element
+  // offset in a tile: pixel (r / 4) of quad (row0 + j / 2, its warp's thread
+  // column r % 4), row j % 2 of the quad (j = lane / 8, r = lane % 8).
+  static_assert(!Tile::kPreOnTensorCores || (32 % Tile::kChannelThreads == 0 && Tile::kOutW % 4 == 0),
+                "a warp's threads are 4 thread columns of one row of quads");
+  int rows_lane = 0;
+  if constexpr (Tile::kPreOnTensorCores) {
+    const int lane = tid % 32, j = lane / 8, r = lane % 8;
+    const int owner_column = ((tid - lane) / Tile::kChannelThreads + r % 4) % Tile::kOutW;
+    rows_lane = Tile::kPreAt +
+                ((2 * (row0 + j / 2) + j % 2) * Pre::kRowPixels + Pre::column(2 * owner_column + r / 4)) * Pre::kSlab;
   }
 
   if constexpr (FOLD) {
@@ -317,11 +392,15 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
     const auto window_pixel = [&](int la, int py, int px) {
       return tile + Tile::kPreAt + ((2 * la + py) * Pre::kRowPixels + Pre::column(2 * column + px)) * Pre::kSlab;
     };
-    if constexpr (FROM_ROWS) {
-      // pre at this thread's pixels, both quad rows before either (the terms
-      // are then live here only), rounded to T as the GEMM that would have
-      // written pre rounds it. Zero rows (pixels past the image) give pre =
-      // 0: x = act(0) = 0.
+    // pre at this thread's pixels, both quad rows before either, rounded to
+    // T as the GEMM that would have written pre rounds it. Zero rows (pixels
+    // past the image) give pre = 0: x = act(0) = 0.
+    if constexpr (Tile::kPreOnTensorCores) {
+      __syncwarp();  // the slots' last readers, the warp's threads (the passes, the fold), are done
+      pre_on_tensor_cores<T, Tile::kThreads, L, 4 * R>(tile + rows_lane, pre_terms[tid % 32], own_slots, tid);
+      __syncwarp();  // each thread's pre is in its slots
+    } else if constexpr (FROM_ROWS) {
+      // (The terms are live here only.)
       float w[L][kRowTerms];
 #pragma unroll
       for (int e = 0; e < L; ++e) {
@@ -333,15 +412,14 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       for (int p = 0; p < 4 * R; ++p) {
         float row[kRowTerms];
         to_floats(load_vec<T, kRowTerms>(window_pixel(row0 + p / 4, p / 2 % 2, p % 2)), row);
-        Vec<T, L> value;
+        float value[L];
 #pragma unroll
         for (int e = 0; e < L; ++e) {
-          float sum = 0.0f;
+          value[e] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < kRowTerms; ++j) sum = fmaf(w[e][j], row[j], sum);
-          value.v[e] = static_cast<T>(sum);
+          for (int j = 0; j < kRowTerms; ++j) value[e] = fmaf(w[e][j], row[j], value[e]);
         }
-        own_slots[p][tid] = value;
+        own_slots[p][tid] = from_floats<T, L>(value);
       }
     }
     // A row at a time: unrolled, both rows' pixels stay live and the sums spill.
@@ -387,8 +465,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll
           for (int px = 0; px < 2; ++px) {
             const bool inside = y + py < H && xs + px < W;
-            own_slot(py, px) =
-                inside ? slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind) : zero_vec<T, L>();
+            const Vec<T, L> g = slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind);
+            own_slot(py, px) = inside ? g : zero_vec<T, L>();
           }
         }
       } else {
@@ -450,12 +528,8 @@ __global__ void __launch_bounds__(kThreads)
       const float4 v = *reinterpret_cast<const float4*>(shares + s * count + i);
       total = make_float4(total.x + v.x, total.y + v.y, total.z + v.z, total.w + v.w);
     }
-    Vec<T, 4> rounded;
-    rounded.v[0] = static_cast<T>(total.x);
-    rounded.v[1] = static_cast<T>(total.y);
-    rounded.v[2] = static_cast<T>(total.z);
-    rounded.v[3] = static_cast<T>(total.w);
-    store_vec<T, 4>(out + i, rounded);
+    const float sums[4] = {total.x, total.y, total.z, total.w};
+    store_vec<T, 4>(out + i, from_floats<T, 4>(sums));
     return;
   }
   for (int64_t k = i; k < i + 4 && k < count; ++k) {

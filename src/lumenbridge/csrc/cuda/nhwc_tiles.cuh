@@ -70,17 +70,28 @@ struct NhwcTile : NhwcLanes {
 // Calls visit(r, j, q) for each chunk of a Window this thread moves: pixel
 // (r, j) of the window, chunk q of its slab. THREADS is a multiple of the
 // chunks per pixel, so each thread always moves the same chunk of its pixels.
-// UNROLL chunks' addresses are in flight at once.
+// UNROLL chunks' addresses are in flight at once. A thread's pixels are
+// kPixelStep apart in the window's row-major order, so (r, j) steps by a whole
+// number of rows and columns, with one carry from column to row, rather than
+// being divided out of the pixel's index at each chunk.
 template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename Visit>
 __device__ __forceinline__ void for_each_own_chunk(int tid, Visit&& visit) {
   constexpr unsigned kChunksPerPixel = Window::kSlab / CHUNK;
-  constexpr unsigned kPixels = Window::kRows * Window::kCols;
   constexpr unsigned kPixelStep = THREADS / kChunksPerPixel;
+  constexpr unsigned kRowStep = kPixelStep / Window::kCols, kColumnStep = kPixelStep % Window::kCols;
   static_assert(THREADS % kChunksPerPixel == 0, "a thread's chunk must not change");
-  const unsigned q = tid % kChunksPerPixel;
+  const unsigned q = tid % kChunksPerPixel, first = tid / kChunksPerPixel;
+  unsigned j = first % Window::kCols;
 #pragma unroll UNROLL
-  for (unsigned pixel = tid / kChunksPerPixel; pixel < kPixels; pixel += kPixelStep) {
-    visit(pixel / Window::kCols, pixel % Window::kCols, q);
+  for (unsigned r = first / Window::kCols; r < Window::kRows; r += kRowStep) {
+    visit(r, j, q);
+    if constexpr (kColumnStep != 0) {
+      j += kColumnStep;
+      if (j >= Window::kCols) {
+        j -= Window::kCols;
+        ++r;
+      }
+    }
   }
 }
 
@@ -97,13 +108,19 @@ template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename T>
 __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
                                                   int H, int W, int C, int y0, int x0, int c0,
                                                   int tid) {
+  // A row of an image may pass 2^32 elements. The offset is unsigned: it is
+  // used only inside the image, where each of its terms is nonnegative, and
+  // unsigned products cost fewer instructions than signed 64-bit ones.
+  const uint64_t row_pitch = static_cast<uint64_t>(static_cast<unsigned>(W)) * static_cast<unsigned>(C);
   for_each_own_chunk<Window, THREADS, CHUNK, UNROLL>(tid, [&](unsigned r, unsigned j, unsigned q) {
     const int c = c0 + static_cast<int>(q * CHUNK);
     const int gy = y0 + static_cast<int>(r), gx = x0 + static_cast<int>(j);
     const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
                         static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
-    const int64_t offset = inside ? (static_cast<int64_t>(gy) * W + gx) * C + c : 0;
-    copy_chunk_async<T, CHUNK>(tile + chunk_offset<Window, CHUNK>(r, j, q), image + offset, inside);
+    const uint64_t offset = static_cast<unsigned>(gy) * row_pitch +
+                            static_cast<uint64_t>(static_cast<unsigned>(gx)) * static_cast<unsigned>(C) +
+                            static_cast<unsigned>(c);
+    copy_chunk_async<T, CHUNK>(tile + chunk_offset<Window, CHUNK>(r, j, q), image + (inside ? offset : 0), inside);
   });
 }
 

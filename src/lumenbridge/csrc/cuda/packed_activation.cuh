@@ -1,8 +1,9 @@
 // The activation between stages on pairs of bf16 / fp16 values in packed
 // instructions (activate_pair), shared by the fused stage kernels' epilogues
 // (fused_parts.cuh) and the depthwise kernels of the composed backward, which
-// apply it to their input tiles (nhwc_tiles.cuh); and the packing of pairs.
-// (The input gradient's slope is evaluated in float: quad_tiles.cuh.)
+// apply it to their input tiles (nhwc_tiles.cuh). (The pairs' packing,
+// pack2 and unpack2, is in common.cuh; the input gradient's slope is
+// evaluated in float: quad_tiles.cuh.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,30 +16,6 @@
 
 namespace lumenbridge {
 namespace cuda {
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<at::BFloat16>(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<at::Half>(float a, float b) {
-  __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t u);
-template <>
-__device__ __forceinline__ float2 unpack2<at::BFloat16>(uint32_t u) {
-  return bf16_pair_to_floats(u);
-}
-template <>
-__device__ __forceinline__ float2 unpack2<at::Half>(uint32_t u) {
-  return __half22float2(*reinterpret_cast<__half2*>(&u));
-}
 
 // ---- activation, two values at a time ----------------------------------------
 

@@ -44,7 +44,6 @@ struct QuadReach {
 // thirtieth session.)
 template <typename T, int L>
 __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const Vec<T, L>& pre, Activation slope) {
-  Vec<T, L> result;
   float x[L];
   to_floats(pre, x);
   dispatch_activation(slope, [&](auto a) {
@@ -57,10 +56,10 @@ __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const
       } else {
         s = activation_slope<kKind>(x[e]);
       }
-      result.v[e] = static_cast<T>(value[e] * s);
+      x[e] = value[e] * s;
     }
   });
-  return result;
+  return from_floats<T, L>(x);
 }
 
 // Visits every (pixel, tap, grad_output pixel) triple of one quad (a, b),
@@ -99,35 +98,37 @@ __device__ __forceinline__ void visit_quad(const T* window, Term&& term) {
   }
 }
 
-// Stores one pixel's L values of an NHWC image at `dst` (its channel c of C):
-// one vector where the caller's vector_stores holds and the pixel has L
-// channels from c, element by element up to C otherwise.
-template <typename T, int L>
-__device__ __forceinline__ void store_pixel(T* dst, const Vec<T, L>& values, int c, int C, bool vector_stores) {
-  if (vector_stores && c + L <= C) {
-    store_vec<T, L>(dst, values);
-  } else {
-#pragma unroll
-    for (int e = 0; e < L; ++e) {
-      if (c + e < C) dst[e] = values.v[e];
-    }
-  }
-}
-
 // Stores a quad's values[py][px] at pixel (y + py, x + px) of an NHWC
 // H x W x C image (`image` points at its pixel 0, channel c), pixels past the
-// image left out.
+// image left out: one vector a pixel where the caller's vector stores hold
+// and the pixels have L channels from c, element by element up to C
+// otherwise. The quad's address is computed once, and the vector test once
+// outside the pixels' border tests: per pixel, the compiler recomputed the
+// address (a 64-bit product, about ten instructions) and, inside the border
+// branches, the test.
 template <typename T, int L>
 __device__ __forceinline__ void store_quad_values(const Vec<T, L> (&values)[2][2], T* image, int y, int x, int H,
                                                   int W, int C, int c, bool vector_stores) {
+  T* const quad = image + (static_cast<int64_t>(y) * W + x) * C;
+  const int64_t row = static_cast<int64_t>(W) * C;
+  const auto for_each_inside = [&](auto&& store) {
 #pragma unroll
-  for (int py = 0; py < 2; ++py) {
+    for (int py = 0; py < 2; ++py) {
 #pragma unroll
-    for (int px = 0; px < 2; ++px) {
-      if (y + py >= H || x + px >= W) continue;
-      store_pixel<T, L>(image + (static_cast<int64_t>(y + py) * W + x + px) * C, values[py][px], c, C,
-                        vector_stores);
+      for (int px = 0; px < 2; ++px) {
+        if (y + py < H && x + px < W) store(quad + py * row + px * C, values[py][px]);
+      }
     }
+  };
+  if (vector_stores && c + L <= C) {
+    for_each_inside([](T* dst, const Vec<T, L>& v) { store_vec<T, L>(dst, v); });
+  } else {
+    for_each_inside([&](T* dst, const Vec<T, L>& v) {
+#pragma unroll
+      for (int e = 0; e < L; ++e) {
+        if (c + e < C) dst[e] = v.v[e];
+      }
+    });
   }
 }
 
@@ -145,8 +146,7 @@ __device__ __forceinline__ void store_quad(const float (&acc)[2][2][L], T* image
       if constexpr (SLOPE) {
         values[py][px] = slope_scaled<T, L>(acc[py][px], pre_at(py, px), slope);
       } else {
-#pragma unroll
-        for (int e = 0; e < L; ++e) values[py][px].v[e] = static_cast<T>(acc[py][px][e]);
+        values[py][px] = from_floats<T, L>(acc[py][px]);
       }
     }
   }

@@ -4,9 +4,9 @@
 # commit's, or that of a directory holding src/, for a machine whose copy of
 # the checkout has no git history) is copied and built (in parallel, each
 # with its own extension cache), then scripts/profile_tokenize.py (this
-# checkout's) runs against each build in turn, PROFILE_ROUNDS times, and the
-# fused kernels' lines are printed tree by tree. Logs go to $OUT (default:
-# compare_out/).
+# checkout's) runs against each build in turn, PROFILE_ROUNDS times, and a
+# row a tree and round is printed: the LumenBridge kernels' times in launch
+# order and the step's. Logs go to $OUT (default: compare_out/).
 #   bash scripts/compare_trees.sh TREE [TREE...]   TREE: a commit or a directory
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
 #   ROOT is where the trees and their builds go (default: a new temporary
@@ -91,12 +91,30 @@ for round in $profile_rounds; do
       python3 scripts/profile_tokenize.py ${PROFILE_ARGS:-} >"$OUT/profile-$name-$round.log" 2>&1 || status=1
   done
 done
-for name in "${names[@]}"; do
-  for round in $profile_rounds; do
-    echo "== $name, round $round"
-    grep -E "^== |lumenbridge::cuda" "$OUT/profile-$name-$round.log"
+# A row a tree and round, short enough for many trees to fit a call's
+# printed tail (the logs keep the whole lists): the times of the LumenBridge
+# kernels of 10 us or more in the log's launch-order list, then its step line.
+launch_row() {
+  awk '/in launch order/ {on = 1; next}
+       on && /^ *[0-9.]+  void lumenbridge/ && $1 >= 10 {row = row sprintf(" %7.1f", $1)}
+       /^step:/ {sub(/^step: /, ""); print row "  | " $0; exit}' "$1"
+}
+# The names of those kernels, numbered in the order of launch_row's columns.
+kernel_names() {
+  awk '/in launch order/ {on = 1; next}
+       on && /^ *[0-9.]+  void lumenbridge/ && $1 >= 10 && match($0, /[A-Za-z_0-9]+_kernel<[^(]*/) {
+         printf "  %d %s\n", ++n, substr($0, RSTART, RLENGTH)}
+       /^step:/ {exit}' "$1"
+}
+if [ -n "$profile_rounds" ]; then
+  echo "== LumenBridge kernels of 10 us or more, in launch order (us), named from ${names[0]}'s first log:"
+  kernel_names "$OUT/profile-${names[0]}-1.log"
+  for name in "${names[@]}"; do
+    for round in $profile_rounds; do
+      printf '%-14s %s\n' "$name r$round" "$(launch_row "$OUT/profile-$name-$round.log")"
+    done
   done
-done
+fi
 # in_turns KIND PATTERN COMMAND...: COMMAND on each build, the trees taking
 # turns for BENCH_ROUNDS rounds; prints the lines of each run's log that
 # match PATTERN ({} in COMMAND is the run's own output folder).

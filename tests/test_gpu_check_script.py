@@ -23,6 +23,7 @@ STUB = """#!/bin/sh
 case "$*" in
   *"-m pytest"*) [ -n "${{PYTEST_ARGV:-}}" ] && printf '%s\\n' "$@" >"$PYTEST_ARGV"; exit "${{RC_TESTS:-0}}" ;;
   *bench_*) exit "${{RC_BENCH:-0}}" ;;
+  *profile_tokenize*) [ -n "${{PROFILE_LOG:-}}" ] && cat "$PROFILE_LOG"; exit 0 ;;
 esac
 exit "${{RC_{name}:-0}}"
 """
@@ -186,6 +187,48 @@ def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(t
     assert calls.count("scripts/phase_clock.py --batch 1 --forwards 5") == 2
     assert not any("profile_tokenize" in call for call in calls)
     assert run.stdout.index("== clock main") < run.stdout.index("== clock step")
+
+
+# A profile's launch-order list as profile_tokenize.py prints it (names cut short).
+PROFILE_LIST = """== one training step's kernels, in launch order (us), B=256
+   751.1  void lumenbridge::cuda::fused::(anonymous namespace)::fused_first_kernel<c10::BFloat16, 3, false>(lumenbridge:
+    78.8  nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN
+     2.6  void lumenbridge::cuda::sum_partials_kernel<c10::BFloat16>(float const*, long, long, int, lumenbridge::cuda::S
+   414.2  void lumenbridge::cuda::(anonymous namespace)::depthwise_backward_both_s2_nhwc_kernel<c10::BFloat16, 3, false,
+step: best 3.905 ms, median 3.925 ms (5 runs of 20); GPU time 3.837 ms; peak 1463 MB
+     2.5  before void lumenbridge::cuda::sum_partials_kernel<c10::BFloat16>(float const*, long, long, int, lumenbridg
+"""
+
+
+def test_compare_trees_prints_a_short_row_a_tree_and_round(tmp_path):
+    for tree in ("main", "step"):
+        (tmp_path / tree / "src").mkdir(parents=True)
+    (tmp_path / "profile.log").write_text(PROFILE_LIST)
+    env = {
+        **os.environ,
+        "PATH": f"{stub_tools(tmp_path)}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "OUT": str(tmp_path / "out"),
+        "ROOT": str(tmp_path / "root"),
+        "PROFILE_LOG": str(tmp_path / "profile.log"),
+        "PROFILE_ROUNDS": "2",
+    }
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "compare_trees.sh"), str(tmp_path / "main"), str(tmp_path / "step")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    names = lines.index("== LumenBridge kernels of 10 us or more, in launch order (us), named from main's first log:")
+    assert lines[names + 1 : names + 3] == [
+        "  1 fused_first_kernel<c10::BFloat16, 3, false>",
+        "  2 depthwise_backward_both_s2_nhwc_kernel<c10::BFloat16, 3, false,",
+    ]
+    row = "   751.1   414.2  | best 3.905 ms, median 3.925 ms (5 runs of 20); GPU time 3.837 ms; peak 1463 MB"
+    assert lines[names + 3 :] == [f"{tree} r{r}".ljust(14) + " " + row for tree in ("main", "step") for r in (1, 2)]
 
 
 def test_bench_fused_refuses_a_provider_it_does_not_have():

@@ -160,20 +160,19 @@ def test_compare_trees_refuses_two_trees_of_one_name_before_building(tmp_path):
     assert not (tmp_path / "root").exists()  # nothing copied or built
 
 
-def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(tmp_path):
+def run_compare_trees(tmp_path: Path, **settings: str) -> subprocess.CompletedProcess:
+    """compare_trees.sh on two trees, main and step, with the stand-ins
+    first on PATH and `settings` in its environment."""
     for tree in ("main", "step"):
         (tmp_path / tree / "src").mkdir(parents=True)
-    argv_log = tmp_path / "argv.log"
     env = {
         **os.environ,
         "PATH": f"{stub_tools(tmp_path)}{os.pathsep}/usr/bin{os.pathsep}/bin",
         "OUT": str(tmp_path / "out"),
         "ROOT": str(tmp_path / "root"),
-        "ARGV_LOG": str(argv_log),
-        "PROFILE_ROUNDS": "0",
-        "CLOCK_ARGS": "--batch 1 --forwards 5",
+        **settings,
     }
-    run = subprocess.run(
+    return subprocess.run(
         ["bash", str(ROOT / "scripts" / "compare_trees.sh"), str(tmp_path / "main"), str(tmp_path / "step")],
         env=env,
         capture_output=True,
@@ -181,6 +180,11 @@ def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(t
         timeout=60,
         check=False,
     )
+
+
+def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(tmp_path):
+    argv_log = tmp_path / "argv.log"
+    run = run_compare_trees(tmp_path, ARGV_LOG=str(argv_log), PROFILE_ROUNDS="0", CLOCK_ARGS="--batch 1 --forwards 5")
     assert run.returncode == 0, run.stdout + run.stderr
     calls = argv_log.read_text().splitlines()
     assert calls.count("-m lumenbridge build") == 4  # each tree's extension, then its clocked one
@@ -201,25 +205,8 @@ step: best 3.905 ms, median 3.925 ms (5 runs of 20); GPU time 3.837 ms; peak 146
 
 
 def test_compare_trees_prints_a_short_row_a_tree_and_round(tmp_path):
-    for tree in ("main", "step"):
-        (tmp_path / tree / "src").mkdir(parents=True)
     (tmp_path / "profile.log").write_text(PROFILE_LIST)
-    env = {
-        **os.environ,
-        "PATH": f"{stub_tools(tmp_path)}{os.pathsep}/usr/bin{os.pathsep}/bin",
-        "OUT": str(tmp_path / "out"),
-        "ROOT": str(tmp_path / "root"),
-        "PROFILE_LOG": str(tmp_path / "profile.log"),
-        "PROFILE_ROUNDS": "2",
-    }
-    run = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "compare_trees.sh"), str(tmp_path / "main"), str(tmp_path / "step")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    run = run_compare_trees(tmp_path, PROFILE_LOG=str(tmp_path / "profile.log"), PROFILE_ROUNDS="2")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     names = lines.index("== LumenBridge kernels of 10 us or more, in launch order (us), named from main's first log:")

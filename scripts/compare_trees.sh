@@ -93,18 +93,15 @@ for round in $profile_rounds; do
 done
 # A row a tree and round, short enough for many trees to fit a call's
 # printed tail (the logs keep the whole lists): the times of the LumenBridge
-# kernels of 10 us or more in the log's launch-order list, then its step line.
+# kernels of 10 us or more in the log's launch-order list (`kernels`, an awk
+# pattern: the list ends at the step line), then its step line.
+kernels='/in launch order/ {on = 1; next} /^step:/ {on = 0} on && /^ *[0-9.]+  void lumenbridge/ && $1 >= 10'
 launch_row() {
-  awk '/in launch order/ {on = 1; next}
-       on && /^ *[0-9.]+  void lumenbridge/ && $1 >= 10 {row = row sprintf(" %7.1f", $1)}
-       /^step:/ {sub(/^step: /, ""); print row "  | " $0; exit}' "$1"
+  awk "$kernels"' {row = row sprintf(" %7.1f", $1)} /^step:/ {sub(/^step: /, ""); print row "  | " $0; exit}' "$1"
 }
 # The names of those kernels, numbered in the order of launch_row's columns.
 kernel_names() {
-  awk '/in launch order/ {on = 1; next}
-       on && /^ *[0-9.]+  void lumenbridge/ && $1 >= 10 && match($0, /[A-Za-z_0-9]+_kernel<[^(]*/) {
-         printf "  %d %s\n", ++n, substr($0, RSTART, RLENGTH)}
-       /^step:/ {exit}' "$1"
+  awk "$kernels"' && match($0, /[A-Za-z_0-9]+_kernel<[^(]*/) {printf "  %d %s\n", ++n, substr($0, RSTART, RLENGTH)}' "$1"
 }
 if [ -n "$profile_rounds" ]; then
   echo "== LumenBridge kernels of 10 us or more, in launch order (us), named from ${names[0]}'s first log:"

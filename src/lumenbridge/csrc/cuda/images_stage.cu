@@ -39,7 +39,7 @@ template <typename In>
 struct ImagePlane {
   const In* origin;
   int64_t y_step;
-  uint32_t x_bytes;  // a column's step: C (NHWC) or 1 elements
+  uint32_t x_bytes;  // a column's step in bytes: C elements (NHWC) or 1 (NCHW)
   int H, W;
   float mean, inv_std;
 
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
       value = taps[c][kTaps];
 #pragma unroll
       for (int ky = 0; ky < K; ++ky) {
-        const auto image_row = plane.row(y0 + ky);
+        const typename ImagePlane<In>::Row image_row = plane.row(y0 + ky);
 #pragma unroll
         for (int kx = 0; kx < K; ++kx) value = fmaf(taps[c][ky * K + kx], plane.at(image_row, x0 + kx), value);
       }
@@ -149,11 +149,14 @@ __global__ void __launch_bounds__(kThreads)
 // bias), lanes along the row. No tap is conditional (a conditional tap took
 // seven or eight instructions and kept a row's loads from starting before
 // the last row's sums, SASS): each reads its row and column clamped into the
-// image, and a tap outside it takes g times 0 as its gradient, which (the
-// image being finite) adds g x 0 to its sum as its zero value would: the
-// same sums, bit for bit, as reading zeros. kRowsInside: every row of `rows`
-// lies inside the image (all but the first and last few output rows), so
-// only the columns' weights apply.
+// image, and a tap outside it takes g times 0 as its gradient, which adds g
+// x 0 to its sum as its zero value would: the block's sums are those of
+// reading zeros, bit for bit (a thread's may differ in the sign of a zero
+// sum, which the block's reduction drops), for an image whose edges are
+// finite (an inf or NaN there now reaches the taps outside it too).
+// kRowsInside: every row of `rows` lies inside the image (all output rows
+// but those whose window reaches the padding above or below it), so only
+// the columns' weights apply.
 template <bool kRowsInside, typename In, typename T, int K>
 __device__ __forceinline__ void add_output_row(const ImagePlane<In>& plane, const typename ImagePlane<In>::Row* rows,
                                                const float* row_weight, const T* g_row, const ImageConv& conv,

@@ -30,24 +30,50 @@ constexpr int kRowWidth = static_cast<int>(kRowAlignment);
 
 // One channel of one image, as the first stage's input: zero outside the
 // H x W image (the zero padding after normalization and the convolution's
-// own padding are both zero).
+// own padding are both zero). A kernel finds each row once (row) and reads
+// its taps from it: at gives zero outside the image, value reads a column
+// inside it (of a row outside, from the row it was clamped to). The row's
+// test and 64-bit offset are then not repeated at every tap, and one
+// unsigned test covers both row and column.
 template <typename In>
 struct ImagePlane {
   const In* origin;
-  int64_t y_step, x_step;
+  int64_t y_step;
+  uint32_t x_bytes;  // a column's step in bytes: C elements (NHWC) or 1 (NCHW)
   int H, W;
   float mean, inv_std;
 
-  __device__ __forceinline__ float at(int y, int x) const {
-    if (y < 0 || y >= H || x < 0 || x >= W) return 0.0f;
-    return normalized<In>(static_cast<float>(__ldg(origin + y * y_step + x * x_step)), mean, inv_std);
+  // A row's first byte (row y clamped into the image), and its width: 0
+  // outside the image.
+  struct Row {
+    const char* start;
+    unsigned width;
+  };
+
+  __device__ __forceinline__ Row row(int y) const {
+    const bool inside = static_cast<unsigned>(y) < static_cast<unsigned>(H);
+    return {reinterpret_cast<const char*>(origin + min(max(y, 0), H - 1) * y_step),
+            inside ? static_cast<unsigned>(W) : 0u};
+  }
+
+  __device__ __forceinline__ float at(Row row, int x) const {
+    const unsigned column = static_cast<unsigned>(x);
+    return column < row.width ? value(row, column) : 0.0f;
+  }
+
+  // The value in a column inside the image, of the row or (outside the
+  // image) of the row it was clamped to.
+  __device__ __forceinline__ float value(Row row, unsigned column) const {
+    const In v = __ldg(reinterpret_cast<const In*>(row.start + static_cast<uint64_t>(column) * x_bytes));
+    return normalized<In>(static_cast<float>(v), mean, inv_std);
   }
 };
 
 template <typename In>
 struct ImageReader {
   const In* images;
-  int64_t image_step, c_step, y_step, x_step;
+  int64_t image_step, c_step, y_step;
+  uint32_t x_bytes;
   int H, W;
   ImageNormalization normalization;
 
@@ -60,7 +86,7 @@ struct ImageReader {
       mean = k == c ? normalization.mean[k] : mean;
       inv_std = k == c ? normalization.inv_std[k] : inv_std;
     }
-    return {images + n * image_step + c * c_step, y_step, x_step, H, W, mean, inv_std};
+    return {images + n * image_step + c * c_step, y_step, x_bytes, H, W, mean, inv_std};
   }
 };
 
@@ -71,7 +97,7 @@ ImageReader<In> image_reader(const at::Tensor& images, const TokenizeProblem& p)
           p.C * p.H * p.W,
           nhwc ? 1 : p.H * p.W,
           nhwc ? p.W * p.C : p.W,
-          nhwc ? p.C : 1,
+          static_cast<uint32_t>((nhwc ? p.C : 1) * sizeof(In)),
           static_cast<int>(p.H),
           static_cast<int>(p.W),
           image_normalization(p)};
@@ -109,13 +135,53 @@ __global__ void __launch_bounds__(kThreads)
       value = taps[c][kTaps];
 #pragma unroll
       for (int ky = 0; ky < K; ++ky) {
+        const typename ImagePlane<In>::Row image_row = plane.row(y0 + ky);
 #pragma unroll
-        for (int kx = 0; kx < K; ++kx) value = fmaf(taps[c][ky * K + kx], plane.at(y0 + ky, x0 + kx), value);
+        for (int kx = 0; kx < K; ++kx) value = fmaf(taps[c][ky * K + kx], plane.at(image_row, x0 + kx), value);
       }
     }
     row.v[c] = static_cast<T>(value);
   }
   store_vec(rows + (n * conv.Ho * conv.Wo + pixel) * kRowWidth, row);
+}
+
+// One output row's products added to `sums` (the K x K taps, then the
+// bias), lanes along the row. No tap is conditional (a conditional tap took
+// seven or eight instructions and kept a row's loads from starting before
+// the last row's sums, SASS): each reads its row and column clamped into the
+// image, and a tap outside it takes g times 0 as its gradient, which adds g
+// x 0 to its sum as its zero value would: the block's sums are those of
+// reading zeros, bit for bit (a thread's may differ in the sign of a zero
+// sum, which the block's reduction drops), for an image whose edges are
+// finite (an inf or NaN there now reaches the taps outside it too).
+// kRowsInside: every row of `rows` lies inside the image (all output rows
+// but those whose window reaches the padding above or below it), so only
+// the columns' weights apply.
+template <bool kRowsInside, typename In, typename T, int K>
+__device__ __forceinline__ void add_output_row(const ImagePlane<In>& plane, const typename ImagePlane<In>::Row* rows,
+                                               const float* row_weight, const T* g_row, const ImageConv& conv,
+                                               int lane, float* sums) {
+  for (int ox = lane; ox < conv.Wo; ox += 32) {
+    const float g = static_cast<float>(g_row[ox]);
+    const int x0 = ox * conv.stride - conv.pad;
+    unsigned column[K];
+    float g_column[K];
+#pragma unroll
+    for (int kx = 0; kx < K; ++kx) {
+      const int x = x0 + kx;
+      column[kx] = static_cast<unsigned>(min(max(x, 0), plane.W - 1));
+      g_column[kx] = g * (static_cast<unsigned>(x) < static_cast<unsigned>(plane.W) ? 1.0f : 0.0f);
+    }
+#pragma unroll
+    for (int ky = 0; ky < K; ++ky) {
+#pragma unroll
+      for (int kx = 0; kx < K; ++kx) {
+        const float g_tap = kRowsInside ? g_column[kx] : g_column[kx] * row_weight[ky];
+        sums[ky * K + kx] = fmaf(g_tap, plane.value(rows[ky], column[kx]), sums[ky * K + kx]);
+      }
+    }
+    sums[K * K] += g;
+  }
 }
 
 // Pass 1 of the weight gradient: block (chunk, c) takes channel c's output
@@ -140,18 +206,19 @@ __global__ void __launch_bounds__(kThreads)
     const int oy = static_cast<int>(r - n * conv.Ho);
     const T* g_row = grad_output + ((n * conv.C + c) * conv.Ho + oy) * conv.Wo;
     const ImagePlane<In> plane = images.plane(n, c);
-    const int y0 = oy * conv.stride - conv.pad;
-    for (int ox = lane; ox < conv.Wo; ox += 32) {
-      const float g = static_cast<float>(g_row[ox]);
-      const int x0 = ox * conv.stride - conv.pad;
+    typename ImagePlane<In>::Row rows[K];  // every output of the row reads these K image rows
+    float row_weight[K];                   // 1, or 0 outside the image
+    bool rows_inside = true;
 #pragma unroll
-      for (int ky = 0; ky < K; ++ky) {
-#pragma unroll
-        for (int kx = 0; kx < K; ++kx) {
-          sums[ky * K + kx] = fmaf(g, plane.at(y0 + ky, x0 + kx), sums[ky * K + kx]);
-        }
-      }
-      sums[K * K] += g;
+    for (int ky = 0; ky < K; ++ky) {
+      rows[ky] = plane.row(oy * conv.stride - conv.pad + ky);
+      row_weight[ky] = rows[ky].width != 0 ? 1.0f : 0.0f;
+      rows_inside = rows_inside && rows[ky].width != 0;
+    }
+    if (rows_inside) {
+      add_output_row<true, In, T, K>(plane, rows, row_weight, g_row, conv, lane, sums);
+    } else {
+      add_output_row<false, In, T, K>(plane, rows, row_weight, g_row, conv, lane, sums);
     }
   }
   store_channel_partials<kSums>(sums, warp_sums, threadIdx.x, c, chunk, chunks, partials);

@@ -102,6 +102,11 @@ PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Ten
 namespace cuda {
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters);
+// The same for wider NHWC stages in one pass (cuda/pointwise_backward_wide.cu:
+// half types, up to 96 input and 192 output channels); nullopt where that
+// kernel does not cover the problem.
+std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
+                                                      const at::Tensor& weight, const DepthwiseProblem& p);
 }  // namespace cuda
 
 // A stage's depthwise weight and bias gradients, computed from the previous

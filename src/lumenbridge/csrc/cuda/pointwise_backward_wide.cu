@@ -6,7 +6,7 @@
 //                                                 bias from the rows' ones column
 // where d are the stage's depthwise rows [M, depthwise_row_width(Cin)].
 // cuBLAS runs these as two GEMMs that each read g, both bound by their bytes
-// (924 MB at B = 256, 2.7 TB/s on an H100); one pass reads g once (616 MB).
+// (937 MB at B = 256, 2.8 TB/s on an H100); one pass reads g once (629 MB).
 //
 // The narrow kernel's design (pointwise_backward_narrow.cu) with both
 // products' operands from shared memory: a tile is kTileRows consecutive
@@ -40,13 +40,17 @@ constexpr int kTileRows = 64;
 constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
 constexpr int kRowBlocks = kTileRows / kBlockRows;
 constexpr int kWarps = kThreads / 32;
-constexpr int kStages = 3;  // tile buffers: two tiles in flight while one is computed
-// What a block's accumulators hold: C <= 192, Cin + 1 <= 104, Cin <= 96.
+// Tile buffers: two tiles in flight while one is computed. At stage 2 a
+// tile is 38.9 KB, past pipeline_stages' rule for two blocks an SM; this
+// kernel runs one (its accumulators take 181 registers a thread).
+constexpr int kStages = 3;
+// What a block's accumulators hold: C <= 192 and Cin <= 96, so d's rows
+// (Cin + 1 rounded up to 8: at most 104 terms) fit two warps' term tiles.
 constexpr int kWarpChannelBlocks = 3, kWarpTermTiles = 7, kWarpOutputTiles = 6;
 constexpr int kMaxChannels = kWarpChannelBlocks * 16 * (kWarps / 2);
-constexpr int kMaxTerms = kWarpTermTiles * 8 * 2;
 constexpr int kMaxInChannels = kWarpOutputTiles * 8 * (kWarps / kRowBlocks);
 static_assert(kWarps == 2 * kRowBlocks, "two warps a g_d row block");
+static_assert(2 * kWarpTermTiles * 8 >= kMaxInChannels + 8, "two warps' term tiles hold d's rows");
 // One block an SM (the accumulators and the ring): one wave on 132 SMs. A
 // function of the shape alone, so the sums are the same on every GPU.
 constexpr int64_t kWideBlocks = 132;
@@ -177,10 +181,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 bool wide_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight, int64_t cin) {
   const int64_t C = grad.size(1);
   const bool half = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
-  return half && C % 16 == 0 && C <= kMaxChannels && cin % 8 == 0 && cin <= kMaxInChannels &&
-         rows.size(1) == depthwise_row_width(cin) && rows.size(1) <= kMaxTerms && grad.is_contiguous() &&
-         rows.is_contiguous() && weight.is_contiguous() && aligned16(grad.const_data_ptr()) &&
-         aligned16(rows.const_data_ptr()) && grad.size(0) > 0;
+  return half && C > 0 && C % 16 == 0 && C <= kMaxChannels && cin % 8 == 0 && cin <= kMaxInChannels &&
+         rows.size(1) == depthwise_row_width(cin) && grad.is_contiguous() && rows.is_contiguous() &&
+         weight.is_contiguous() && aligned16(grad.const_data_ptr()) && aligned16(rows.const_data_ptr()) &&
+         grad.size(0) > 0;
 }
 
 }  // namespace

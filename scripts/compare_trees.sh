@@ -79,8 +79,13 @@ if [ -n "${TEST_ARGS:-}" ]; then
   eval "test_args=($TEST_ARGS)"  # the shell's quoting, so a -k expression may hold spaces
   for name in "${names[@]}"; do
     TORCH_EXTENSIONS_DIR="$root/$name/ext" PYTHONPATH="$root/$name/src" \
-      python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" >"$OUT/test-$name.log" 2>&1 || status=1
-    echo "tests $name: $(tail -n 1 "$OUT/test-$name.log")"
+      python3 -m pytest -q -p no:cacheprovider "${test_args[@]}" >"$OUT/test-$name.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    # The exit status, and pytest's count line where it printed one (a -q in
+    # TEST_ARGS makes it -qq, which prints none).
+    counts=$(grep -E '^=* ?[0-9]+ (passed|failed|errors?|skipped|deselected)' "$OUT/test-$name.log" | tail -n 1)
+    echo "tests $name: rc=$rc; ${counts:-no count line}"
   done
 fi
 profile_rounds=$(seq "${PROFILE_ROUNDS:-2}")

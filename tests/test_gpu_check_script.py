@@ -21,7 +21,8 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STUB = """#!/bin/sh
 [ -n "${{ARGV_LOG:-}}" ] && printf '%s\\n' "$*" >>"$ARGV_LOG"
 case "$*" in
-  *"-m pytest"*) [ -n "${{PYTEST_ARGV:-}}" ] && printf '%s\\n' "$@" >"$PYTEST_ARGV"; exit "${{RC_TESTS:-0}}" ;;
+  *"-m pytest"*) [ -n "${{PYTEST_ARGV:-}}" ] && printf '%s\\n' "$@" >"$PYTEST_ARGV"
+    [ -n "${{PYTEST_LOG:-}}" ] && cat "$PYTEST_LOG"; exit "${{RC_TESTS:-0}}" ;;
   *bench_*) exit "${{RC_BENCH:-0}}" ;;
   *profile_tokenize*) [ -n "${{PROFILE_LOG:-}}" ] && cat "$PROFILE_LOG"; exit 0 ;;
 esac
@@ -191,6 +192,36 @@ def test_compare_trees_runs_the_phase_clocks_and_skips_the_profiles_on_request(t
     assert calls.count("scripts/phase_clock.py --batch 1 --forwards 5") == 2
     assert not any("profile_tokenize" in call for call in calls)
     assert run.stdout.index("== clock main") < run.stdout.index("== clock step")
+
+
+# The end of a pytest -q log: the count line follows the warnings' summary.
+PYTEST_TAIL = """tests/test_dispatch.py: 14 warnings
+-- Docs: https://docs.pytest.org/en/stable/how-to/capture-warnings.html
+593 passed, 1541 deselected, 18 warnings in 413.09s (0:06:53)
+"""
+
+
+@pytest.mark.parametrize(
+    ("rc", "log", "reported"),
+    [
+        ("0", PYTEST_TAIL, "rc=0; 593 passed, 1541 deselected, 18 warnings in 413.09s (0:06:53)"),
+        ("1", "", "rc=1; no count line"),
+    ],
+    ids=["passed", "failed, no count line"],
+)
+def test_compare_trees_reports_each_trees_test_status(tmp_path, rc, log, reported):
+    (tmp_path / "pytest.log").write_text(log)
+    run = run_compare_trees(
+        tmp_path,
+        TEST_ARGS="tests -k backward",
+        PROFILE_ROUNDS="0",
+        RC_TESTS=rc,
+        PYTEST_LOG=str(tmp_path / "pytest.log"),
+    )
+    assert (run.returncode == 0) == (rc == "0"), run.stdout + run.stderr
+    assert [line for line in run.stdout.splitlines() if line.startswith("tests ")] == [
+        f"tests {tree}: {reported}" for tree in ("main", "step")
+    ]
 
 
 # A profile's launch-order list as profile_tokenize.py prints it (names cut short).

@@ -11,13 +11,21 @@
 // The narrow kernel's design (pointwise_backward_narrow.cu) with both
 // products' operands from shared memory: a tile is kTileRows consecutive
 // rows of g and of d in a cp.async ring; W sits in shared memory for the
-// whole run.
-//   weight sums  G^T D: warp w owns channel blocks 3 (w / 2) .. + 2 (16
-//                channels each) and term tiles 7 (w % 2) .. + 6 (8 terms
+// whole run. Sixteen warps, four a scheduler, so that one warp's ldmatrix
+// and mma latencies hide behind the others' (at eight warps, 181 registers
+// a thread, the kernel took 504 us at stage 2 where its bytes and its mma
+// each allow about 200):
+//   weight sums  G^T D: warp w owns channel blocks 3 (w % 4) .. + 2 (16
+//                channels each) and term tiles 4 (w / 4) .. + 3 (8 terms
 //                each) for the whole run of tiles, A = G^T and B = d's rows
-//                by transposed ldmatrix: 84 float accumulators a thread;
-//   g_d          G W: warp w takes row block w % 4 and output tiles 6 (w / 4)
-//                .. + 5, A = G by ldmatrix, B = W by transposed ldmatrix.
+//                by transposed ldmatrix: 48 float accumulators a thread;
+//   g_d          G W: warp w takes row block w % 4 and output tiles 3 (w / 4)
+//                .. + 2, A = G by ldmatrix, B = W by transposed ldmatrix.
+// A warp's slots past the shape's blocks and tiles repeat its last one, so
+// the loops hold no branch: with a branch around each term tile, each
+// tile's mma waited for its own ldmatrix (sm_90a SASS), and the 8-warp
+// version's 504 us above is that wait. The repeats' sums are not written
+// (at stage 2, 3 of d's 16 term slots).
 // The sums are deterministic as the narrow kernel's: a fixed run of tiles a
 // block, each warp's own mma in a fixed order, pass 2 in block order.
 #include <c10/cuda/CUDAGuard.h>
@@ -36,22 +44,25 @@ namespace {
 using fused::GridCursor;
 using fused::padded_stride;
 
+constexpr int kWideThreads = 512;
+constexpr int kWarps = kWideThreads / 32;
 constexpr int kTileRows = 64;
 constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
 constexpr int kRowBlocks = kTileRows / kBlockRows;
-constexpr int kWarps = kThreads / 32;
 // Tile buffers: two tiles in flight while one is computed. At stage 2 a
 // tile is 38.9 KB, past pipeline_stages' rule for two blocks an SM; this
-// kernel runs one (its accumulators take 181 registers a thread).
+// kernel runs one (its 16 warps take all of an SM's registers).
 constexpr int kStages = 3;
 // What a block's accumulators hold: C <= 192 and Cin <= 96, so d's rows
-// (Cin + 1 rounded up to 8: at most 104 terms) fit two warps' term tiles.
-constexpr int kWarpChannelBlocks = 3, kWarpTermTiles = 7, kWarpOutputTiles = 6;
-constexpr int kMaxChannels = kWarpChannelBlocks * 16 * (kWarps / 2);
+// (Cin + 1 rounded up to 8: at most 104 terms, 13 tiles) fit four groups of
+// four term tiles.
+constexpr int kChannelGroups = 4, kTermGroups = kWarps / kChannelGroups;
+constexpr int kWarpChannelBlocks = 3, kWarpTermTiles = 4, kWarpOutputTiles = 3;
+constexpr int kMaxChannels = kWarpChannelBlocks * 16 * kChannelGroups;
 constexpr int kMaxInChannels = kWarpOutputTiles * 8 * (kWarps / kRowBlocks);
-static_assert(kWarps == 2 * kRowBlocks, "two warps a g_d row block");
-static_assert(2 * kWarpTermTiles * 8 >= kMaxInChannels + 8, "two warps' term tiles hold d's rows");
-// One block an SM (the accumulators and the ring): one wave on 132 SMs. A
+static_assert(kWarps % kRowBlocks == 0, "whole warps a g_d row block");
+static_assert(kTermGroups * kWarpTermTiles * 8 >= kMaxInChannels + 8, "the term groups hold d's rows");
+// One block an SM (its registers and the ring): one wave on 132 SMs. A
 // function of the shape alone, so the sums are the same on every GPU.
 constexpr int64_t kWideBlocks = 132;
 
@@ -61,7 +72,7 @@ __host__ __device__ int wide_tile_elems(int C, int row_width) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kWideThreads, 1)
     pointwise_backward_wide_kernel(const T* __restrict__ grad, const T* __restrict__ rows,
                                    const T* __restrict__ weight, T* __restrict__ grad_depthwise,
                                    float* __restrict__ partials, int64_t M, int C, int cin, int row_width,
@@ -75,13 +86,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* const w_tile = reinterpret_cast<T*>(shared_bytes);  // [C][w_stride]: W, zero past Cin
   T* const buffers = w_tile + C * w_stride;
 
-  for (int i = tid; i < C * w_stride; i += kThreads) {
+  for (int i = tid; i < C * w_stride; i += kWideThreads) {
     const int c = i / w_stride, j = i % w_stride;
     w_tile[i] = j < cin ? weight[c * cin + j] : static_cast<T>(0.0f);
   }
 
-  const GridCursor first_g_unit(C / 8, tid, kThreads);  // 16-byte units of g's rows
-  const GridCursor first_d_unit(row_width / 8, tid, kThreads);
+  const GridCursor first_g_unit(C / 8, tid, kWideThreads);  // 16-byte units of g's rows
+  const GridCursor first_d_unit(row_width / 8, tid, kWideThreads);
   auto load = [&](T* tile, const TileCursor<1>& cursor) {
     const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
     for (GridCursor unit = first_g_unit; unit.row < kTileRows; unit.advance()) {
@@ -97,8 +108,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  const int first_block = (warp / 2) * kWarpChannelBlocks, first_term_tile = (warp % 2) * kWarpTermTiles;
+  const int first_block = (warp % kChannelGroups) * kWarpChannelBlocks;
+  const int first_term_tile = (warp / kChannelGroups) * kWarpTermTiles;
   const int row_block = warp % kRowBlocks, first_output_tile = (warp / kRowBlocks) * kWarpOutputTiles;
+  // Each slot's shared-memory column (elements), its repeats clamped to the last.
+  int block_column[kWarpChannelBlocks], term_column[kWarpTermTiles], output_column[kWarpOutputTiles];
+#pragma unroll
+  for (int s = 0; s < kWarpChannelBlocks; ++s) block_column[s] = min(first_block + s, channel_blocks - 1) * 16;
+#pragma unroll
+  for (int n = 0; n < kWarpTermTiles; ++n) term_column[n] = min(first_term_tile + n, term_tiles - 1) * 8;
+#pragma unroll
+  for (int n = 0; n < kWarpOutputTiles; ++n) output_column[n] = min(first_output_tile + n, output_tiles - 1) * 8;
   float sums[kWarpChannelBlocks][kWarpTermTiles][4] = {};
   auto compute = [&](const T* tile, const TileCursor<1>& cursor) {
     const T* d = tile + kTileRows * g_stride;
@@ -110,19 +130,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = rb * kBlockRows + (matrix / 2) * 8 + matrix_row;
 #pragma unroll
       for (int s = 0; s < kWarpChannelBlocks; ++s) {
-        if (first_block + s < channel_blocks) {
-          fused::ldmatrix_x4_trans(a[s], tile + row * g_stride + (first_block + s) * 16 + (matrix % 2) * 8);
-        }
+        fused::ldmatrix_x4_trans(a[s], tile + row * g_stride + block_column[s] + (matrix % 2) * 8);
       }
 #pragma unroll
       for (int n = 0; n < kWarpTermTiles; ++n) {
-        if (first_term_tile + n >= term_tiles) continue;
         uint32_t b[2];
-        fused::ldmatrix_x2_trans(b, d + (rb * kBlockRows + lane % 16) * row_width + (first_term_tile + n) * 8);
+        fused::ldmatrix_x2_trans(b, d + (rb * kBlockRows + lane % 16) * row_width + term_column[n]);
 #pragma unroll
-        for (int s = 0; s < kWarpChannelBlocks; ++s) {
-          if (first_block + s < channel_blocks) fused::mma_16816<T>(sums[s][n], a[s], b[0], b[1]);
-        }
+        for (int s = 0; s < kWarpChannelBlocks; ++s) fused::mma_16816<T>(sums[s][n], a[s], b[0], b[1]);
       }
     }
     // g_d: A = G (16 rows x 16 channels): matrices (rows 0-7, channels 0-7),
@@ -134,9 +149,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       fused::ldmatrix_x4(a, tile + row * g_stride + kb * 16 + (matrix / 2) * 8);
 #pragma unroll
       for (int n = 0; n < kWarpOutputTiles; ++n) {
-        if (first_output_tile + n >= output_tiles) continue;
         uint32_t b[2];
-        fused::ldmatrix_x2_trans(b, w_tile + (kb * 16 + lane % 16) * w_stride + (first_output_tile + n) * 8);
+        fused::ldmatrix_x2_trans(b, w_tile + (kb * 16 + lane % 16) * w_stride + output_column[n]);
         fused::mma_16816<T>(gd[n], a, b[0], b[1]);
       }
     }
@@ -167,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (first_block + s >= channel_blocks) continue;
 #pragma unroll
     for (int n = 0; n < kWarpTermTiles; ++n) {
+      if (first_term_tile + n >= term_tiles) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int c = (first_block + s) * 16 + g + (i / 2) * 8, j = (first_term_tile + n) * 8 + 2 * t + i % 2;
@@ -217,7 +232,7 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
     at::Tensor partials = at::empty({C, chunks, cin + 1}, options.dtype(at::kFloat));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     allow_shared_bytes(kernel, shared);
-    kernel<<<grid_x(chunks), kThreads, shared, stream>>>(
+    kernel<<<grid_x(chunks), kWideThreads, shared, stream>>>(
         grad.const_data_ptr<T>(), rows.const_data_ptr<T>(), weight.const_data_ptr<T>(),
         out->grad_depthwise.mutable_data_ptr<T>(), partials.mutable_data_ptr<float>(), M, static_cast<int>(C),
         static_cast<int>(cin), row_width, tile_space<1>({tiles}, 1), static_cast<int>(tiles), run,

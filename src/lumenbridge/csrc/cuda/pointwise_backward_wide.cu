@@ -23,8 +23,8 @@
 //                .. + 2, A = G by ldmatrix, B = W by transposed ldmatrix.
 // A warp's slots past the shape's blocks and tiles repeat its last one, so
 // the loops hold no branch: with a branch around each term tile, each
-// tile's mma waited for its own ldmatrix (sm_90a SASS), and the 8-warp
-// version's 504 us above is that wait. The repeats' sums are not written
+// tile's mma waited for its own ldmatrix (sm_90a SASS), the likely cause
+// (not yet measured) of the 504 us above. The repeats' sums are not written
 // (at stage 2, 3 of d's 16 term slots).
 // The sums are deterministic as the narrow kernel's: a fixed run of tiles a
 // block, each warp's own mma in a fixed order, pass 2 in block order.

@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     if (first_block + s >= channel_blocks) continue;
 #pragma unroll
     for (int n = 0; n < kWarpTermTiles; ++n) {
-      if (first_term_tile + n >= term_tiles) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        // A repeated term slot's j is past d's rows, so j < terms drops it too.
         const int c = (first_block + s) * 16 + g + (i / 2) * 8, j = (first_term_tile + n) * 8 + 2 * t + i % 2;
         if (j < terms) partials[(static_cast<int64_t>(c) * chunks + blockIdx.x) * terms + j] = sums[s][n][i];
       }

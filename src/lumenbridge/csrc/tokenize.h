@@ -89,9 +89,12 @@ struct TokenizeGradMask {
 // A stage's pointwise backward over rows: the gradient of its depthwise
 // output, [N, Cin, h, w] dense in the stage's depthwise layout, and (when
 // asked for) its pointwise weight and bias gradients. Composed of two GEMMs
-// on every device (tokenize_backward.cpp); on CUDA, stages with up to three
-// input channels take one kernel (cuda/pointwise_backward_narrow.cu: half
-// types, output channels a multiple of 16 up to 256).
+// on every device (tokenize_backward.cpp); on CUDA, in half types, stages
+// with up to three input channels take one kernel
+// (cuda/pointwise_backward_narrow.cu: output channels a multiple of 16 up
+// to 256), and NHWC stages with up to 96 (a multiple of 8) another
+// (cuda/pointwise_backward_wide.cu: output channels a multiple of 16 up to
+// 192).
 struct PointwiseGrads {
   at::Tensor grad_depthwise, weight, bias;
 };
@@ -102,6 +105,10 @@ PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Ten
 namespace cuda {
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters);
+// The wide stages' kernel (above); nullopt where it does not cover the
+// problem.
+std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
+                                                      const at::Tensor& weight, const DepthwiseProblem& p);
 }  // namespace cuda
 
 // A stage's depthwise weight and bias gradients, computed from the previous

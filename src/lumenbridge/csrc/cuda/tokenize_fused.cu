@@ -1107,12 +1107,12 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int p
   return resident;
 }
 
-// Where stage i writes: an intermediate NHWC tensor after the activation
-// (and, for tokenize_for_training, `saved_output` before it), or the tokens.
+// Where stage i writes: an intermediate NHWC tensor after the activation,
+// or the tokens (and, for tokenize_for_training, `saved_output` before the
+// activation or the token norm: SavedForward::saves_output).
 template <typename T>
 TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const TokenizeStage& stage, bool last,
                           const TokenizeProblem& p) {
-  TORCH_INTERNAL_ASSERT(!(last && saved_output.defined()), "the last stage's output is recomputed");
   TileOutput<T> o;
   o.out = out.data_ptr<T>();
   o.saved_output = saved_output.defined() ? saved_output.data_ptr<T>() : nullptr;
@@ -1382,7 +1382,7 @@ TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizePro
     TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
                           "the fused kernels write the rows in 16-byte units, the images' stage's in one");
     saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
-    if (SavedForward::saves_output(i, p.stages.size())) {
+    if (SavedForward::saves_output(i, p)) {
       saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
     }
   }

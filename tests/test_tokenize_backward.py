@@ -465,6 +465,14 @@ def test_gateway_rejects_bad_backward_arguments(change, message, native_ops):
         native_ops.tokenize_backward(**args)
 
 
+def test_without_a_norm_after_the_last_stage_its_output_is_not_saved_nor_expected(native_ops):
+    args = narrow_backward_arguments("cpu", dataclasses.replace(NARROW, token_norm=False))
+    assert [tuple(t.shape) for t in args["saved_outputs"]] == [(64, 20), (16, 36)]  # stages 1 and 2 of 4
+    args["saved_outputs"] = [*args["saved_outputs"], args["saved_outputs"][-1]]
+    with pytest.raises(RuntimeError, match=r"must both be empty or hold 4 and 2 tensors .* got 4 and 3"):
+        native_ops.tokenize_backward(**args)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gateway_rejects_saved_tensors_on_another_device(cuda_kernels):
@@ -474,11 +482,11 @@ def test_gateway_rejects_saved_tensors_on_another_device(cuda_kernels):
         cuda_kernels.tokenize_backward(**args)
 
 
-def narrow_backward_arguments(device: str) -> dict:
-    """tokenize_backward's arguments for NARROW on one uint8 32 x 32 image:
-    tokenize's, a token gradient of ones, what tokenize_for_training saved,
-    and the parameters' gradients asked for."""
-    model = VisualTokenizer(NARROW, seed=0).eval().to(device)
+def narrow_backward_arguments(device: str, config=NARROW) -> dict:
+    """tokenize_backward's arguments for `config` (NARROW) on one uint8 32 x
+    32 image: tokenize's, a token gradient of ones, what
+    tokenize_for_training saved, and the parameters' gradients asked for."""
+    model = VisualTokenizer(config, seed=0).eval().to(device)
     images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, device=device)
     names = [a.name for a in torch.ops.lumenbridge.tokenize.default._schema.arguments]
     args = dict(zip(names, detached(native.tokenize_arguments(images, model)), strict=True))

@@ -396,7 +396,7 @@ def tokenize_backward_path(device_type: str) -> str:
     CUDA's one-pass kernels where they apply."""
     common = (
         "lumenbridge::tokenize_backward, composed from the per-layer kernels, GEMMs and ATen; "
-        "it takes every stage's depthwise rows and the intermediate stages' outputs from what "
+        "it takes every stage's depthwise rows and the later stages' outputs from what "
         "lumenbridge::tokenize_for_training saves and recomputes the rest of the forward"
     )
     if device_type != "cuda":

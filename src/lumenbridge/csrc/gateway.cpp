@@ -458,7 +458,7 @@ void check_saved_list(const TokenizeProblem& p, at::TensorList saved, const char
 }
 
 // What tokenize_for_training saved, handed back: nothing, or what that op
-// returned: each stage's depthwise rows and each intermediate stage's output.
+// returned: each stage's depthwise rows and the outputs SavedForward names.
 void check_saved(const TokenizeProblem& p, at::TensorList saved_rows, at::TensorList saved_outputs,
                  const at::Tensor& images) {
   const size_t S = p.stages.size();

@@ -742,15 +742,29 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, in
     return T(static_cast<uint16_t>(activate_pair<T>(v, 0.0f, o.act) & 0xffffu), T::from_bits());
   };
   if (o.planes) {
+    // The saved rows first, in row order (the planes' order below would
+    // scatter their stores a row apart), 16 bytes at a time where vector.
+    if (o.saved_output != nullptr) {
+      for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
+        const int64_t pixel = rows.pixel[at.row];
+        if (pixel < 0) continue;
+        if (o.vector) {
+          const int c = column0 + at.column * 8;
+          *reinterpret_cast<uint4*>(o.saved_output + pixel * o.channels + c) =
+              *reinterpret_cast<const uint4*>(tile + at.row * stride + c);
+        } else {
+          const int c = column0 + at.column;
+          o.saved_output[pixel * o.channels + c] = tile[at.row * stride + c];
+        }
+      }
+    }
     // Consecutive threads take consecutive pixels of one channel plane.
     for (int item = threadIdx.x; item < kTileRows * columns; item += blockDim.x) {
       const int r = item % kTileRows, c = column0 + item / kTileRows;
       const int64_t pixel = rows.pixel[r];
       if (pixel < 0) continue;
       const int64_t image = pixel / o.plane, offset = pixel % o.plane;
-      const T value = tile[r * stride + c];
-      if (o.saved_output != nullptr) o.saved_output[pixel * o.channels + c] = value;
-      o.out[(image * o.channels + c) * o.plane + offset] = transform(value, r, c);
+      o.out[(image * o.channels + c) * o.plane + offset] = transform(tile[r * stride + c], r, c);
     }
   } else if (o.vector && !norm) {
     // Rows of whole 16-byte units, activated in pairs.

@@ -26,9 +26,28 @@ HAS_CUDA = torch.cuda.is_available()
 REQUIRE_CUDA = "LUMENBRIDGE_REQUIRE_CUDA"
 
 
+# PyTorch's compile cache keys a graph on the names of the ops it calls, not
+# on what they return (the README's "Compiled models"): a cache shared with
+# another checkout of LumenBridge could replay that version's graphs here. A
+# run without TORCHINDUCTOR_CACHE_DIR set gets a fresh one of its own, which
+# the subprocesses it starts inherit and which goes when it ends.
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+OWN_INDUCTOR_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get(REQUIRE_CUDA) == "1" and not HAS_CUDA:
         raise pytest.UsageError(f"{REQUIRE_CUDA}=1, but torch {torch.__version__} sees no CUDA GPU")
+    if INDUCTOR_CACHE not in os.environ:
+        folder = tempfile.mkdtemp(prefix="lumenbridge-tests-inductor-")
+        config.stash[OWN_INDUCTOR_CACHE] = os.environ[INDUCTOR_CACHE] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(OWN_INDUCTOR_CACHE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(INDUCTOR_CACHE, None)
 
 
 def import_or_skip(name: str) -> ModuleType:

@@ -16,7 +16,7 @@ Then the fused tokenize kernels, on the shared sample cases
 input kind, layout, output format and odd width) in bfloat16, the base
 preset in float16, and the cases whose persistent blocks walk several tiles
 (many_tile_cases), each through tokenize and through tokenize_for_training
-(which also writes every stage's depthwise rows and the intermediate stages'
+(which also writes every stage's depthwise rows and the later stages'
 outputs). Last, the tokenize backward (composed over the depthwise kernels,
 in the tokenizer's channels-last shapes, 3-channel images included) on the
 same cases in bfloat16, with what tokenize_for_training saved and

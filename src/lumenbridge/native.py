@@ -102,9 +102,11 @@ def _tokenize_fake(
 
 def _tokenize_for_training_fake(images, dw_weights, dw_biases, pw_weights, *args):
     """The tokens, each stage's depthwise rows [N * h * w, row width], then
-    each intermediate stage's pointwise output [N * h * w, Cout]."""
+    the pointwise output [N * h * w, Cout] of each stage after the first but
+    the last, and of the last where a norm follows it."""
     tokens = _tokenize_fake(images, dw_weights, dw_biases, pw_weights, *args)
-    strides, padded_size = args[1], args[11]
+    strides, stage_norm, token_norm_weight, padded_size = args[1], args[3], args[6], args[11]
+    saved_stop = None if token_norm_weight is not None or stage_norm != "none" else -1
     k, n = dw_weights[0].shape[-1], images.shape[0]
     pixels = [n * h * w for h, w in zip(*(stage_extents(e, k, strides) for e in padded_size), strict=True)]
     rows = [
@@ -112,7 +114,8 @@ def _tokenize_for_training_fake(images, dw_weights, dw_biases, pw_weights, *args
         for weight, m in zip(dw_weights, pixels, strict=True)
     ]
     outputs = [
-        dw_weights[0].new_empty((m, weight.shape[0])) for weight, m in zip(pw_weights[1:-1], pixels[1:-1], strict=True)
+        dw_weights[0].new_empty((m, weight.shape[0]))
+        for weight, m in zip(pw_weights[1:saved_stop], pixels[1:saved_stop], strict=True)
     ]
     return tokens, rows, outputs
 
@@ -393,7 +396,7 @@ def tokenize_backward_path(device_type: str) -> str:
     CUDA's one-pass kernels where they apply."""
     common = (
         "lumenbridge::tokenize_backward, composed from the per-layer kernels, GEMMs and ATen; "
-        "it takes every stage's depthwise rows and the intermediate stages' outputs from what "
+        "it takes every stage's depthwise rows and the later stages' outputs from what "
         "lumenbridge::tokenize_for_training saves and recomputes the rest of the forward"
     )
     if device_type != "cuda":

@@ -458,17 +458,17 @@ void check_saved_list(const TokenizeProblem& p, at::TensorList saved, const char
 }
 
 // What tokenize_for_training saved, handed back: nothing, or what that op
-// returned: each stage's depthwise rows and each intermediate stage's output.
+// returned: each stage's depthwise rows and the outputs SavedForward names.
 void check_saved(const TokenizeProblem& p, at::TensorList saved_rows, at::TensorList saved_outputs,
                  const at::Tensor& images) {
   const size_t S = p.stages.size();
   const bool none = saved_rows.empty() && saved_outputs.empty();
-  const size_t outputs = SavedForward::output_count(S);
+  const size_t outputs = SavedForward::output_count(p);
   TORCH_CHECK(none || (saved_rows.size() == S && saved_outputs.size() == outputs),
               "LumenBridge: saved_rows and saved_outputs must both be empty or hold ", text(static_cast<int64_t>(S)),
               " and ", text(static_cast<int64_t>(outputs)),
-              " tensors (each stage's depthwise rows, each intermediate stage's output, as "
-              "tokenize_for_training returns them), got ",
+              " tensors (each stage's depthwise rows, the outputs of the stages after the first that the backward "
+              "reads, as tokenize_for_training returns them), got ",
               text(static_cast<int64_t>(saved_rows.size())), " and ", text(static_cast<int64_t>(saved_outputs.size())));
   check_saved_list(p, saved_rows, "saved_rows", [&](size_t k) { return depthwise_rows_sizes(p, k); }, images);
   check_saved_list(p, saved_outputs, "saved_outputs", [&](size_t k) { return saved_output_sizes(p, k + 1); }, images);

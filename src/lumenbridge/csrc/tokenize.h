@@ -55,6 +55,8 @@ struct TokenizeProblem {
   // Stage i's output pixels over the batch: the rows of its depthwise rows and saved output.
   int64_t stage_pixels(size_t i) const { return N * stages[i].out_h * stages[i].out_w; }
   bool has_token_norm() const { return token_norm_weight.defined(); }
+  // Whether a norm follows the last stage's pointwise output (the backward then reads that output).
+  bool last_output_normed() const { return has_token_norm() || stage_norm != StageNorm::NONE; }
   // The sizes of the op's output (contiguous) in the requested format.
   std::vector<int64_t> output_sizes() const;
 };
@@ -89,9 +91,12 @@ struct TokenizeGradMask {
 // A stage's pointwise backward over rows: the gradient of its depthwise
 // output, [N, Cin, h, w] dense in the stage's depthwise layout, and (when
 // asked for) its pointwise weight and bias gradients. Composed of two GEMMs
-// on every device (tokenize_backward.cpp); on CUDA, stages with up to three
-// input channels take one kernel (cuda/pointwise_backward_narrow.cu: half
-// types, output channels a multiple of 16 up to 256).
+// on every device (tokenize_backward.cpp); on CUDA, in half types, stages
+// with up to three input channels take one kernel
+// (cuda/pointwise_backward_narrow.cu: output channels a multiple of 16 up
+// to 256), and NHWC stages with up to 96 (a multiple of 8) another
+// (cuda/pointwise_backward_wide.cu: output channels a multiple of 16 up to
+// 192).
 struct PointwiseGrads {
   at::Tensor grad_depthwise, weight, bias;
 };
@@ -102,6 +107,10 @@ PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Ten
 namespace cuda {
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters);
+// The wide stages' kernel (above); nullopt where it does not cover the
+// problem.
+std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
+                                                      const at::Tensor& weight, const DepthwiseProblem& p);
 }  // namespace cuda
 
 // A stage's depthwise weight and bias gradients, computed from the previous
@@ -177,9 +186,9 @@ constexpr int64_t kRowAlignment = 8, kNarrowRowTerms = 4;
 int64_t depthwise_row_width(int64_t in_channels);
 // The sizes of stage `stage`'s rows: [N * h * w, depthwise_row_width(Cin)].
 std::vector<int64_t> depthwise_rows_sizes(const TokenizeProblem& p, size_t stage);
-// Each intermediate stage's (after the first, before the last) pointwise
-// output before its activation and norm, rows [N * h * w, Cout], which the
-// next stage's backward reads: saved, the backward skips recomputing it.
+// A stage's pointwise output before its activation and norm, rows [N * h *
+// w, Cout], which the next stage's backward (the last stage's: its norm's)
+// reads: saved, the backward skips recomputing it.
 std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage);
 
 // What tokenize_for_training saves for one stage (undefined where it saves nothing).
@@ -187,14 +196,19 @@ struct SavedStage {
   at::Tensor rows, output;
 };
 // What it saves for all: the rows of stages 0 .. S - 1 and the outputs of
-// the intermediate stages 1 .. S - 2, or nothing (the backward recomputes
-// them); the ops take and return them as the lists saved_rows and
-// saved_outputs.
+// stages 1 .. S - 2, and S - 1's where a norm follows it (without one the
+// backward reads no output of the last stage, and the tokens are that
+// output), or nothing (the backward recomputes them); the ops take and
+// return them as the lists saved_rows and saved_outputs. The first stage's
+// output is not kept: the second stage's backward reads its rows
+// (backward_reads_rows), and it is the presets' largest tensor.
 struct SavedForward {
   std::vector<at::Tensor> rows, outputs;
 
-  static bool saves_output(size_t stage, size_t stages) { return stage >= 1 && stage + 1 < stages; }
-  static size_t output_count(size_t stages) { return stages > 2 ? stages - 2 : 0; }
+  static bool saves_output(size_t stage, const TokenizeProblem& p) {
+    return stage >= 1 && (stage + 1 < p.stages.size() || p.last_output_normed());
+  }
+  static size_t output_count(const TokenizeProblem& p);
   bool empty() const { return rows.empty(); }
   SavedStage stage(size_t i) const;
 };

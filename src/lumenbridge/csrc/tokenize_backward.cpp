@@ -3,14 +3,15 @@
 // lumenbridge::tokenize_for_training, which is its recompute, kept.
 //
 // The backward first recomputes the forward once, keeping each stage's
-// pointwise output p_i (before its norm; not the images' stage's where the
-// next stage reads it from rows, backward_reads_rows) and, for the weight
+// pointwise output p_i that it reads (before its norm; not the images'
+// stage's where the next stage reads it from rows, backward_reads_rows, nor
+// the last stage's where no norm follows it) and, for the weight
 // gradients, its depthwise output d_i, as GEMM rows. tokenize_for_training
-// returns the rows of d_i for every stage and p_i for every intermediate
-// stage (SavedForward; written by the fused kernels as they go on CUDA), which
-// autograd keeps between forward and backward: then the recompute is the
-// GEMMs of the last stage and, where the backward reads it, the first. With
-// tokenize's own autograd (nothing saved) it recomputes all. Then, from the
+// returns the rows of d_i for every stage and p_i for every stage after the
+// first that the backward reads (SavedForward; written by the fused kernels
+// as they go on CUDA), which autograd keeps between forward and backward:
+// then the recompute is, where the backward reads it, the first stage's
+// GEMM. With tokenize's own autograd (nothing saved) it recomputes all. Then, from the
 // last stage down, it takes the stage's gradients:
 //   norm        LayerNorm / affine backward on p_i            (layer_norm.h; ATen)
 //   pointwise   dW = g^T d, db = sum g, g_d = g W              (GEMMs over rows; on
@@ -162,9 +163,10 @@ at::Tensor token_grad_map(const at::Tensor& grad_tokens, const TokenizeProblem& 
   return nhwc.contiguous().permute({0, 3, 1, 2});
 }
 
-// Which stages' pointwise outputs the forward below keeps besides the last
-// stage's: those tokenize_for_training saves, or those the backward reads
-// (not where it reads the next stage's input from rows).
+// Which stages' pointwise outputs the forward below keeps: those
+// tokenize_for_training saves (and the last, which makes the tokens), or
+// those the backward reads (not where it reads the next stage's input from
+// rows; the last only where a norm follows it).
 enum class KeptOutputs { SAVED, READ };
 
 // The forward once more: the kept stages' pointwise outputs (before their
@@ -185,15 +187,20 @@ Recomputed recompute_forward(const at::Tensor& images, const TokenizeProblem& p,
     const TokenizeStage& s = p.stages[i];
     const bool last = i + 1 == p.stages.size();
     const SavedStage given = saved.stage(i);
-    at::Tensor rows_of_d = given.rows.defined() ? given.rows
-                           : i == 0             ? kernels.images_depthwise_rows(images, p)
-                                                : depthwise_rows(pre, p, i, kernels);
-    const bool kept = last || (kept_outputs == KeptOutputs::SAVED ? SavedForward::saves_output(i, p.stages.size())
-                                                                   : !backward_reads_rows(p, i + 1, keep_depthwise));
+    // The last stage's output makes the tokens in the training forward; the
+    // backward reads it only where a norm follows it.
+    const bool kept = kept_outputs == KeptOutputs::SAVED ? last || SavedForward::saves_output(i, p)
+                      : last                             ? p.last_output_normed()
+                                                         : !backward_reads_rows(p, i + 1, keep_depthwise);
     const bool feeds_next = !last && saved.empty();  // the next stage's rows come from it
-    at::Tensor output = given.output.defined()  ? from_rows(given.output, p.N, s.out_h, s.out_w)
-                        : kept || feeds_next ? pointwise(rows_of_d, s, p)
-                                             : at::Tensor();
+    const bool computes_output = !given.output.defined() && (kept || feeds_next);
+    at::Tensor rows_of_d = given.rows.defined()                    ? given.rows
+                           : !(keep_depthwise || computes_output) ? at::Tensor()
+                           : i == 0                                 ? kernels.images_depthwise_rows(images, p)
+                                                                    : depthwise_rows(pre, p, i, kernels);
+    at::Tensor output = given.output.defined() ? from_rows(given.output, p.N, s.out_h, s.out_w)
+                        : computes_output      ? pointwise(rows_of_d, s, p)
+                                               : at::Tensor();
     r.depthwise.push_back(keep_depthwise ? std::move(rows_of_d) : at::Tensor());
     if (feeds_next) pre = apply_stage_norm(output, s, p);
     r.outputs.push_back(kept ? std::move(output) : at::Tensor());
@@ -327,6 +334,12 @@ std::vector<int64_t> saved_output_sizes(const TokenizeProblem& p, size_t stage) 
   return {p.stage_pixels(stage), p.stages[stage].out_channels};
 }
 
+size_t SavedForward::output_count(const TokenizeProblem& p) {
+  size_t count = 0;
+  for (size_t i = 0; i < p.stages.size(); ++i) count += saves_output(i, p) ? 1 : 0;
+  return count;
+}
+
 SavedStage SavedForward::stage(size_t i) const {
   if (empty()) return {};
   return {rows[i], i >= 1 && i - 1 < outputs.size() ? outputs[i - 1] : at::Tensor()};
@@ -340,7 +353,7 @@ TrainingResult tokenize_for_training_composed(const at::Tensor& images, const To
   SavedForward saved;
   for (size_t i = 0; i < S; ++i) {
     saved.rows.push_back(std::move(forward.depthwise[i]));
-    if (SavedForward::saves_output(i, S)) saved.outputs.push_back(rows(forward.outputs[i]));
+    if (SavedForward::saves_output(i, p)) saved.outputs.push_back(rows(forward.outputs[i]));
   }
   return {tokens, saved.rows, saved.outputs};
 }

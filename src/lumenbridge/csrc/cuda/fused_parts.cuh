@@ -437,13 +437,13 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 // Where a block writes, and what it does on the way: the intermediate stage
 // output (NHWC rows) after the `activated` activation, or the tokens (rows
 // for NLC / NHWC, planes for NCHW), with the token LayerNorm when
-// `norm_weight` is set. For tokenize_for_training an intermediate stage also
-// writes its output before the activation into `saved_output` (rows, as
-// `out`), which the backward would otherwise recompute.
+// `norm_weight` is set. For tokenize_for_training a stage also writes its
+// output before the activation or the norm into `saved_output` (rows of
+// `channels`), which the backward would otherwise recompute.
 template <typename T>
 struct TileOutput {
   T* out;
-  T* saved_output;  // intermediate stages of tokenize_for_training; else null
+  T* saved_output;  // tokenize_for_training's stages after the first; else null
   int channels;
   int64_t plane;  // output pixels per image, for NCHW
   bool planes;    // NCHW tokens
@@ -742,6 +742,22 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, in
     return T(static_cast<uint16_t>(activate_pair<T>(v, 0.0f, o.act) & 0xffffu), T::from_bits());
   };
   if (o.planes) {
+    // The saved rows first, in row order (the planes' order below would
+    // scatter their stores a row apart), 16 bytes at a time where vector.
+    if (o.saved_output != nullptr) {
+      for (GridCursor at(o.units); at.row < kTileRows; at.advance()) {
+        const int64_t pixel = rows.pixel[at.row];
+        if (pixel < 0) continue;
+        if (o.vector) {
+          const int c = column0 + at.column * 8;
+          *reinterpret_cast<uint4*>(o.saved_output + pixel * o.channels + c) =
+              *reinterpret_cast<const uint4*>(tile + at.row * stride + c);
+        } else {
+          const int c = column0 + at.column;
+          o.saved_output[pixel * o.channels + c] = tile[at.row * stride + c];
+        }
+      }
+    }
     // Consecutive threads take consecutive pixels of one channel plane.
     for (int item = threadIdx.x; item < kTileRows * columns; item += blockDim.x) {
       const int r = item % kTileRows, c = column0 + item / kTileRows;
@@ -780,8 +796,10 @@ __device__ void write_tile(const T* tile, int stride, const TileOutput<T>& o, in
       for (int r = first_row; r < kTileRows; r += walkers) {
         const int64_t pixel = rows.pixel[r];
         if (pixel < 0) continue;
+        const uint4 chunk = *reinterpret_cast<const uint4*>(tile + r * stride + c);
+        if (o.saved_output != nullptr) *reinterpret_cast<uint4*>(o.saved_output + pixel * o.channels + c) = chunk;
         float v[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(tile + r * stride + c), v);
+        unpack8<T>(chunk, v);
         const float mean = rows.mean[r], rstd = rows.rstd[r];
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = (v[e] - mean) * rstd * weight[e] + bias[e];

@@ -181,6 +181,9 @@ bool narrow_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const 
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters) {
   const int64_t cin = p.C, M = grad.size(0), C = grad.size(1);
+  if (parameters && p.layout == Layout::NHWC) {
+    if (auto wide = pointwise_backward_wide(grad, rows, weight, p)) return std::move(*wide);
+  }
   if (!parameters || p.layout != Layout::NCHW || !narrow_kernel_covers(grad, rows, weight, cin)) {
     return pointwise_backward_composed(grad, rows, weight, p, parameters);
   }

@@ -1173,12 +1173,14 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int p
   return resident;
 }
 
-// Where stage i writes: an intermediate NHWC tensor after the activation
-// (and, for tokenize_for_training, `saved_output` before it), or the tokens.
+// Where stage i writes: an intermediate NHWC tensor after the activation,
+// or the tokens (and, for tokenize_for_training, `saved_output` before the
+// activation or the token norm: SavedForward::saves_output).
 template <typename T>
 TileOutput<T> tile_output(at::Tensor& out, const at::Tensor& saved_output, const TokenizeStage& stage, bool last,
                           const TokenizeProblem& p) {
-  TORCH_INTERNAL_ASSERT(!(last && saved_output.defined()), "the last stage's output is recomputed");
+  TORCH_INTERNAL_ASSERT(!(last && saved_output.defined()) || p.has_token_norm(),
+                        "the last stage's output is saved only where the token norm follows it (no stage norm is fused)");
   TileOutput<T> o;
   o.out = out.data_ptr<T>();
   o.saved_output = saved_output.defined() ? saved_output.data_ptr<T>() : nullptr;
@@ -1339,8 +1341,8 @@ Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i
 }
 
 // The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
-// also write each stage's depthwise rows and intermediate stages' outputs
-// before the activation into it. Each output is allocated just before the
+// also write each stage's depthwise rows and the saved stages' outputs
+// before the activation or norm into it. Each output is allocated just before the
 // launch that writes it: a call's first launch waits on the host.
 template <typename T, int K>
 at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
@@ -1449,7 +1451,7 @@ TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizePro
     TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
                           "the fused kernels write the rows in 16-byte units, the images' stage's in one");
     saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
-    if (SavedForward::saves_output(i, p.stages.size())) {
+    if (SavedForward::saves_output(i, p)) {
       saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
     }
   }

@@ -2,8 +2,8 @@
 // (depthwise_backward_weight.cu, depthwise_backward_both.cu): how the tiles
 // are split between blocks, and how a block's per-thread sums become its
 // partial sums [C, chunks, K * K + 1] for pass 2 (partial_sums.cuh). The
-// images' stage's pointwise backward (pointwise_backward_narrow.cu) splits its
-// rows by the same block counts.
+// pointwise backward kernels (pointwise_backward_narrow.cu, _wide.cu) split
+// their rows with tiles_per_block too.
 #pragma once
 
 #include "common.cuh"

@@ -1,0 +1,252 @@
+// The pointwise backward of a wide stage (lumenbridge-base's stage 2: 96 ->
+// 192 channels) in one pass over its output gradient g [M, C] (M = N * h * w
+// pixels, channels-last rows; 308 MB at B = 256):
+//   g_d[m, j] = sum_c g[m, c] W[c, j]            j < Cin, written as rows [M, Cin]
+//   partials of sum_m g[m, c] d[m, j]            j < Cin + 1: the weight, then the
+//                                                 bias from the rows' ones column
+// where d are the stage's depthwise rows [M, depthwise_row_width(Cin)].
+// cuBLAS runs these as two GEMMs that each read g, both bound by their bytes
+// (937 MB at B = 256, 2.8 TB/s on an H100); one pass reads g once (629 MB).
+//
+// The narrow kernel's design (pointwise_backward_narrow.cu) with both
+// products' operands from shared memory: a tile is kTileRows consecutive
+// rows of g and of d in a cp.async ring; W sits in shared memory for the
+// whole run. Sixteen warps, four a scheduler, so that one warp's ldmatrix
+// and mma latencies hide behind the others' (at eight warps, 181 registers
+// a thread, the kernel took 504 us at stage 2 where its bytes and its mma
+// each allow about 200):
+//   weight sums  G^T D: warp w owns channel blocks 3 (w % 4) .. + 2 (16
+//                channels each) and term tiles 4 (w / 4) .. + 3 (8 terms
+//                each) for the whole run of tiles, A = G^T and B = d's rows
+//                by transposed ldmatrix: 48 float accumulators a thread;
+//   g_d          G W: warp w takes row block w % 4 and output tiles 3 (w / 4)
+//                .. + 2, A = G by ldmatrix, B = W by transposed ldmatrix.
+// A warp's slots past the shape's blocks and tiles repeat its last one, so
+// the loops hold no branch: with a branch around each term tile, each
+// tile's mma waited for its own ldmatrix (sm_90a SASS), the likely cause
+// (not yet measured) of the 504 us above. The repeats' sums are not written
+// (at stage 2, 3 of d's 16 term slots).
+// The sums are deterministic as the narrow kernel's: a fixed run of tiles a
+// block, each warp's own mma in a fixed order, pass 2 in block order.
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../tokenize.h"
+#include "common.cuh"
+#include "fused_parts.cuh"
+#include "partial_sums.cuh"
+#include "pipeline.cuh"
+#include "weight_partials.cuh"
+
+namespace lumenbridge {
+namespace cuda {
+namespace {
+
+using fused::GridCursor;
+using fused::padded_stride;
+
+constexpr int kWideThreads = 512;
+constexpr int kWarps = kWideThreads / 32;
+constexpr int kTileRows = 64;
+constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
+constexpr int kRowBlocks = kTileRows / kBlockRows;
+// Tile buffers: two tiles in flight while one is computed. At stage 2 a
+// tile is 38.9 KB, past pipeline_stages' rule for two blocks an SM; this
+// kernel runs one (its 16 warps take all of an SM's registers).
+constexpr int kStages = 3;
+// What a block's accumulators hold: C <= 192 and Cin <= 96, so d's rows
+// (Cin + 1 rounded up to 8: at most 104 terms, 13 tiles) fit four groups of
+// four term tiles.
+constexpr int kChannelGroups = 4, kTermGroups = kWarps / kChannelGroups;
+constexpr int kWarpChannelBlocks = 3, kWarpTermTiles = 4, kWarpOutputTiles = 3;
+constexpr int kMaxChannels = kWarpChannelBlocks * 16 * kChannelGroups;
+constexpr int kMaxInChannels = kWarpOutputTiles * 8 * (kWarps / kRowBlocks);
+static_assert(kWarps % kRowBlocks == 0, "whole warps a g_d row block");
+static_assert(kTermGroups * kWarpTermTiles * 8 >= kMaxInChannels + 8, "the term groups hold d's rows");
+// One block an SM (its registers and the ring): one wave on 132 SMs. A
+// function of the shape alone, so the sums are the same on every GPU.
+constexpr int64_t kWideBlocks = 132;
+
+// A tile's elements: g's rows (padded), then d's.
+__host__ __device__ int wide_tile_elems(int C, int row_width) {
+  return kTileRows * padded_stride(C) + kTileRows * row_width;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads, 1)
+    pointwise_backward_wide_kernel(const T* __restrict__ grad, const T* __restrict__ rows,
+                                   const T* __restrict__ weight, T* __restrict__ grad_depthwise,
+                                   float* __restrict__ partials, int64_t M, int C, int cin, int row_width,
+                                   TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // an mma fragment's row group and column pair
+  const int matrix = lane / 8, matrix_row = lane % 8;
+  const int g_stride = padded_stride(C), w_stride = padded_stride(cin);
+  const int channel_blocks = C / 16, term_tiles = row_width / 8, output_tiles = cin / 8;
+  T* const w_tile = reinterpret_cast<T*>(shared_bytes);  // [C][w_stride]: W, zero past Cin
+  T* const buffers = w_tile + C * w_stride;
+
+  for (int i = tid; i < C * w_stride; i += kWideThreads) {
+    const int c = i / w_stride, j = i % w_stride;
+    w_tile[i] = j < cin ? weight[c * cin + j] : static_cast<T>(0.0f);
+  }
+
+  const GridCursor first_g_unit(C / 8, tid, kWideThreads);  // 16-byte units of g's rows
+  const GridCursor first_d_unit(row_width / 8, tid, kWideThreads);
+  auto load = [&](T* tile, const TileCursor<1>& cursor) {
+    const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
+    for (GridCursor unit = first_g_unit; unit.row < kTileRows; unit.advance()) {
+      const bool inside = m0 + unit.row < M;
+      copy_chunk_async<T, 8>(tile + unit.row * g_stride + unit.column * 8,
+                             grad + (inside ? (m0 + unit.row) * C + unit.column * 8 : 0), inside);
+    }
+    T* const d = tile + kTileRows * g_stride;
+    for (GridCursor unit = first_d_unit; unit.row < kTileRows; unit.advance()) {
+      const bool inside = m0 + unit.row < M;
+      copy_chunk_async<T, 8>(d + unit.row * row_width + unit.column * 8,
+                             rows + (inside ? (m0 + unit.row) * row_width + unit.column * 8 : 0), inside);
+    }
+  };
+
+  const int first_block = (warp % kChannelGroups) * kWarpChannelBlocks;
+  const int first_term_tile = (warp / kChannelGroups) * kWarpTermTiles;
+  const int row_block = warp % kRowBlocks, first_output_tile = (warp / kRowBlocks) * kWarpOutputTiles;
+  // Each slot's shared-memory column (elements), its repeats clamped to the last.
+  int block_column[kWarpChannelBlocks], term_column[kWarpTermTiles], output_column[kWarpOutputTiles];
+#pragma unroll
+  for (int s = 0; s < kWarpChannelBlocks; ++s) block_column[s] = min(first_block + s, channel_blocks - 1) * 16;
+#pragma unroll
+  for (int n = 0; n < kWarpTermTiles; ++n) term_column[n] = min(first_term_tile + n, term_tiles - 1) * 8;
+#pragma unroll
+  for (int n = 0; n < kWarpOutputTiles; ++n) output_column[n] = min(first_output_tile + n, output_tiles - 1) * 8;
+  float sums[kWarpChannelBlocks][kWarpTermTiles][4] = {};
+  auto compute = [&](const T* tile, const TileCursor<1>& cursor) {
+    const T* d = tile + kTileRows * g_stride;
+    // Weight sums: A = G^T (16 channels x 16 rows): matrices (rows 0-7, channels
+    // 0-7), (rows 0-7, channels 8-15), (rows 8-15, 0-7), (rows 8-15, 8-15).
+#pragma unroll
+    for (int rb = 0; rb < kRowBlocks; ++rb) {
+      uint32_t a[kWarpChannelBlocks][4];
+      const int row = rb * kBlockRows + (matrix / 2) * 8 + matrix_row;
+#pragma unroll
+      for (int s = 0; s < kWarpChannelBlocks; ++s) {
+        fused::ldmatrix_x4_trans(a[s], tile + row * g_stride + block_column[s] + (matrix % 2) * 8);
+      }
+#pragma unroll
+      for (int n = 0; n < kWarpTermTiles; ++n) {
+        uint32_t b[2];
+        fused::ldmatrix_x2_trans(b, d + (rb * kBlockRows + lane % 16) * row_width + term_column[n]);
+#pragma unroll
+        for (int s = 0; s < kWarpChannelBlocks; ++s) fused::mma_16816<T>(sums[s][n], a[s], b[0], b[1]);
+      }
+    }
+    // g_d: A = G (16 rows x 16 channels): matrices (rows 0-7, channels 0-7),
+    // (rows 8-15, 0-7), (rows 0-7, 8-15), (rows 8-15, 8-15); B = W's rows.
+    float gd[kWarpOutputTiles][4] = {};
+    const int row = row_block * kBlockRows + (matrix % 2) * 8 + matrix_row;
+    for (int kb = 0; kb < channel_blocks; ++kb) {
+      uint32_t a[4];
+      fused::ldmatrix_x4(a, tile + row * g_stride + kb * 16 + (matrix / 2) * 8);
+#pragma unroll
+      for (int n = 0; n < kWarpOutputTiles; ++n) {
+        uint32_t b[2];
+        fused::ldmatrix_x2_trans(b, w_tile + (kb * 16 + lane % 16) * w_stride + output_column[n]);
+        fused::mma_16816<T>(gd[n], a, b[0], b[1]);
+      }
+    }
+    // gd[n][0], [1]: row g, outputs 8 (first + n) + 2t, + 1; [2], [3]: row g + 8.
+    const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows + row_block * kBlockRows + g;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t m = m0 + half * 8;
+      if (m >= M) continue;
+#pragma unroll
+      for (int n = 0; n < kWarpOutputTiles; ++n) {
+        if (first_output_tile + n >= output_tiles) continue;
+        const float pair[2] = {gd[n][2 * half], gd[n][2 * half + 1]};
+        store_vec<T, 2>(grad_depthwise + m * cin + (first_output_tile + n) * 8 + 2 * t, from_floats<T, 2>(pair));
+      }
+    }
+  };
+
+  const int first = static_cast<int>(blockIdx.x) * tiles_per_block;
+  run_tile_pipeline<kStages>(space, first, min(tiles_per_block, tiles - first), buffers,
+                             wide_tile_elems(C, row_width), load, NoStep{}, NoStep{}, compute);
+  cp_async_wait_pending<0>();
+  // sums[s][n][0], [1]: channel 16 (first + s) + g, terms 8 (first + n) + 2t,
+  // + 1; [2], [3]: channel + 8.
+  const int terms = cin + 1;
+#pragma unroll
+  for (int s = 0; s < kWarpChannelBlocks; ++s) {
+    if (first_block + s >= channel_blocks) continue;
+#pragma unroll
+    for (int n = 0; n < kWarpTermTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // A repeated term slot's j is past d's rows, so j < terms drops it too.
+        const int c = (first_block + s) * 16 + g + (i / 2) * 8, j = (first_term_tile + n) * 8 + 2 * t + i % 2;
+        if (j < terms) partials[(static_cast<int64_t>(c) * chunks + blockIdx.x) * terms + j] = sums[s][n][i];
+      }
+    }
+  }
+}
+
+// Whether the kernel covers the problem: the tensors as it reads them, and a
+// stage whose sums fit a block's accumulators.
+bool wide_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight, int64_t cin) {
+  const int64_t C = grad.size(1);
+  const bool half = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
+  return half && C > 0 && C % 16 == 0 && C <= kMaxChannels && cin % 8 == 0 && cin <= kMaxInChannels &&
+         rows.size(1) == depthwise_row_width(cin) && grad.is_contiguous() && rows.is_contiguous() &&
+         weight.is_contiguous() && aligned16(grad.const_data_ptr()) && aligned16(rows.const_data_ptr()) &&
+         grad.size(0) > 0;
+}
+
+}  // namespace
+
+std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
+                                                      const at::Tensor& weight, const DepthwiseProblem& p) {
+  const int64_t cin = p.C, M = grad.size(0), C = grad.size(1);
+  if (p.layout != Layout::NHWC || !wide_kernel_covers(grad, rows, weight, cin)) return std::nullopt;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  TORCH_INTERNAL_ASSERT(M == p.N * p.Ho * p.Wo && rows.size(0) == M && weight.numel() == C * cin);
+  const int64_t tiles = ceil_div64(M, kTileRows);
+  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "LumenBridge: too many pixels for one launch (",
+              text(M), ")");
+  const int run = tiles_per_block(tiles, 1, kWideBlocks);
+  const int64_t chunks = ceil_div64(tiles, run);
+  const int row_width = static_cast<int>(rows.size(1));
+  std::optional<PointwiseGrads> out;
+  const auto launch = [&](auto element) {
+    using T = decltype(element);
+    constexpr auto kernel = pointwise_backward_wide_kernel<T>;
+    const size_t shared =
+        (C * padded_stride(static_cast<int>(cin)) + kStages * wide_tile_elems(static_cast<int>(C), row_width)) *
+        sizeof(T);
+    if (shared > max_shared_bytes_per_block()) return;
+    const auto options = grad.options();
+    out.emplace();
+    out->grad_depthwise = new_output({p.N, cin, p.Ho, p.Wo}, options, at::MemoryFormat::ChannelsLast);
+    out->weight = new_output({C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
+    out->bias = new_output({C}, options, at::MemoryFormat::Contiguous);
+    at::Tensor partials = at::empty({C, chunks, cin + 1}, options.dtype(at::kFloat));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    allow_shared_bytes(kernel, shared);
+    kernel<<<grid_x(chunks), kWideThreads, shared, stream>>>(
+        grad.const_data_ptr<T>(), rows.const_data_ptr<T>(), weight.const_data_ptr<T>(),
+        out->grad_depthwise.mutable_data_ptr<T>(), partials.mutable_data_ptr<float>(), M, static_cast<int>(C),
+        static_cast<int>(cin), row_width, tile_space<1>({tiles}, 1), static_cast<int>(tiles), run,
+        static_cast<int>(chunks));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sum_partials<T>(partials.const_data_ptr<float>(), C, chunks, static_cast<int>(cin + 1),
+                    {out->weight.mutable_data_ptr<T>(), out->bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
+                    stream);
+  };
+  AT_DISPATCH_SWITCH(grad.scalar_type(), "lumenbridge_pointwise_backward_wide",
+                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(scalar_t{}); })
+                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(scalar_t{}); }));
+  return out;
+}
+
+}  // namespace cuda
+}  // namespace lumenbridge

@@ -11,7 +11,7 @@
 #   (a variant's step fails with rc 9 where racecheck reports hazards, rc 1
 #   where its sums are wrong)
 #   PYTEST_ARGS selects tests (default: the whole suite); SANITIZE_PARTS picks
-#   sanitize_kernels.py's parts (default: depthwise fused backward crop), and
+#   sanitize_kernels.py's parts (default: depthwise fused backward kernels-backward crop), and
 #   RACECHECK_PARTS those of the slow racecheck (default: the same, less the
 #   backward, which racecheck cannot run: see below); BENCHES
 #   picks benchmarks (default: depthwise tokenizer fused; also profile, the
@@ -61,12 +61,16 @@ if [[ $parts == *" tests "* ]]; then
 fi
 if [[ $parts == *" sanitize "* ]]; then
   # Only LumenBridge kernels are instrumented, which keeps the run short.
-  sanitize_parts=${SANITIZE_PARTS:-depthwise fused backward crop}
+  sanitize_parts=${SANITIZE_PARTS:-depthwise fused backward kernels-backward crop}
   # racecheck stops at the backward's first cuBLAS GEMM on the H200 ("failed
   # to handle a hardware exception"), even with only one LumenBridge kernel
   # instrumented (benchmarks/NOTES.md, twelfth session), so by default it
-  # leaves the backward out.
-  racecheck_parts=${RACECHECK_PARTS:-${sanitize_parts//backward/}}
+  # leaves the backward out (kernels-backward, with no cuBLAS GEMM, stays).
+  without_backward() {
+    local part
+    for part in $sanitize_parts; do [ "$part" = backward ] || printf '%s ' "$part"; done
+  }
+  racecheck_parts=${RACECHECK_PARTS:-$(without_backward)}
   for tool in memcheck racecheck synccheck; do
     tool_parts=$sanitize_parts
     [ "$tool" = racecheck ] && tool_parts=$racecheck_parts
@@ -80,7 +84,7 @@ if [[ $parts == *" sanitize "* ]]; then
   # cannot see what cuBLAS's sm_90 kernels write (every element of a plain
   # `a @ b` output is reported unread-before-written), so the backward, which
   # composes cuBLAS matmuls, is left to the other three tools.
-  initcheck_parts=${sanitize_parts//backward/}
+  initcheck_parts=$(without_backward)
   # shellcheck disable=SC2086
   [ -n "${initcheck_parts// /}" ] && step sanitizer-initcheck compute-sanitizer --tool initcheck --error-exitcode 9 \
     python3 scripts/sanitize_kernels.py --parts $initcheck_parts

@@ -21,23 +21,29 @@ outputs). Last, the tokenize backward (composed over the depthwise kernels,
 in the tokenizer's channels-last shapes, 3-channel images included) on the
 same cases in bfloat16, with what tokenize_for_training saved and
 recomputing everything after tokenize.
+Then (kernels-backward) the backward, from what tokenize_for_training saved,
+of two-stage shapes whose every GEMM is one of LumenBridge's kernels (stage
+2's in the wide pointwise backward kernel: 96 -> 192 channels), for
+racecheck, which stops at the backward's first cuBLAS GEMM ("failed to
+handle a hardware exception").
 Then crop_resize (the --decode gpu resize) over images of many sizes.
---parts picks which of the four groups run
+--parts picks which of the five groups run
 (default: all), so a tool's report can be traced to one of them.
 Usage: compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
-       [--parts depthwise fused backward crop]
+       [--parts depthwise fused backward kernels-backward crop]
 """
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
 
 from lumenbridge import native
 from lumenbridge.config import KERNEL_SIZES
-from lumenbridge.testing import many_tile_cases, tokenize_cases
+from lumenbridge.testing import NARROW, TokenizeCase, many_tile_cases, tokenize_cases
 
-PARTS = ("depthwise", "fused", "backward", "crop")
+PARTS = ("depthwise", "fused", "backward", "kernels-backward", "crop")
 parser = argparse.ArgumentParser()
 parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
 parts = parser.parse_args().parts
@@ -87,6 +93,21 @@ for case in tokenize_cases() if "backward" in parts else ():
     # parameters, a graph that one backward frees.
     ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
     ops.tokenize(*native.tokenize_arguments(images, model)).float().sum().backward()
+# Stage 2 of 96 -> 192 channels over 4.4 GEMM tiles of 64 rows (the last
+# ragged), in both half types, uint8 NCHW and float channels-last images.
+WIDE = dataclasses.replace(NARROW, embed_dim=192, stage_widths=(96, 192), strides=(2, 2))
+KERNELS_BACKWARD_CASES = itertools.product(
+    (
+        TokenizeCase("wide", WIDE, batch=2, size=(40, 56)),
+        TokenizeCase("wide-float", WIDE, batch=2, size=(40, 56), uint8=False, channels_last=True),
+    ),
+    (torch.bfloat16, torch.float16),
+)
+for case, dtype in KERNELS_BACKWARD_CASES if "kernels-backward" in parts else ():
+    model = case.model().to("cuda", dtype)
+    images = case.images().to("cuda")
+    images = images if images.dtype == torch.uint8 else images.to(dtype).requires_grad_(True)
+    ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
 if "crop" in parts:
     # crop_resize over images of many sizes (views among them), downscales with
     # boxes at the edges and upscales: every read lies inside its image.

@@ -104,6 +104,25 @@ def test_pytest_args_keep_the_shells_quoting(tmp_path):
     assert argv.read_text().splitlines()[:5] == ["-m", "pytest", "tests", "-k", "many_tiles and float16"]
 
 
+def test_racecheck_and_initcheck_leave_out_only_the_backward_that_calls_cublas(tmp_path):
+    log = tmp_path / "argv.log"
+    run = run_script(tmp_path, "sanitize", ARGV_LOG=str(log))
+    assert run.returncode == 0, run.stdout + run.stderr
+    parts = {
+        line.split("--tool ")[1].split()[0]: line.split("--parts ")[1].split()
+        for line in log.read_text().splitlines()
+        if line.startswith("--tool ")
+    }
+    everything = ["depthwise", "fused", "backward", "kernels-backward", "crop"]
+    without_cublas = ["depthwise", "fused", "kernels-backward", "crop"]
+    assert parts == {
+        "memcheck": everything,
+        "racecheck": without_cublas,
+        "synccheck": everything,
+        "initcheck": without_cublas,
+    }
+
+
 def test_the_racecheck_probe_runs_only_on_request_and_reports_each_variant(tmp_path):
     default = run_script(tmp_path / "default")
     assert "probe" not in (tmp_path / "default" / "out" / "summary.txt").read_text(), default.stdout

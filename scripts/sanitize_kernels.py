@@ -85,13 +85,22 @@ for case, dtype in FUSED_CASES if "fused" in parts else ():
     with torch.inference_mode():
         ops.tokenize(*args)
         ops.tokenize_for_training(*args)
-for case in tokenize_cases() if "backward" in parts else ():
-    model = case.model().to("cuda", torch.bfloat16)
+
+
+def backward_from_saved(case, dtype):
+    """The backward of tokenize_for_training on the case in dtype (float
+    images in dtype too, with a gradient); returns the model and images."""
+    model = case.model().to("cuda", dtype)
     images = case.images().to("cuda")
-    images = images if images.dtype == torch.uint8 else images.to(torch.bfloat16).requires_grad_(True)
+    images = images if images.dtype == torch.uint8 else images.to(dtype).requires_grad_(True)
     # Arguments built per call: an eval-mode BatchNorm's are computed from its
     # parameters, a graph that one backward frees.
     ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
+    return model, images
+
+
+for case in tokenize_cases() if "backward" in parts else ():
+    model, images = backward_from_saved(case, torch.bfloat16)
     ops.tokenize(*native.tokenize_arguments(images, model)).float().sum().backward()
 # Stage 2 of 96 -> 192 channels over 4.4 GEMM tiles of 64 rows (the last
 # ragged), in both half types, uint8 NCHW and float channels-last images.
@@ -104,10 +113,7 @@ KERNELS_BACKWARD_CASES = itertools.product(
     (torch.bfloat16, torch.float16),
 )
 for case, dtype in KERNELS_BACKWARD_CASES if "kernels-backward" in parts else ():
-    model = case.model().to("cuda", dtype)
-    images = case.images().to("cuda")
-    images = images if images.dtype == torch.uint8 else images.to(dtype).requires_grad_(True)
-    ops.tokenize_for_training(*native.tokenize_arguments(images, model))[0].float().sum().backward()
+    backward_from_saved(case, dtype)
 if "crop" in parts:
     # crop_resize over images of many sizes (views among them), downscales with
     # boxes at the edges and upscales: every read lies inside its image.

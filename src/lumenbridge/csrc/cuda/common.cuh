@@ -176,6 +176,11 @@ void dispatch_vector_width(int vec, Body&& body) {
                                      AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
                                      AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
 
+// The half types alone: the tensor-core kernels (fused, pointwise backward).
+#define LUMENBRIDGE_DISPATCH_HALF_TYPES(TYPE, NAME, ...)                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
 // Shared memory a block may opt in to on the current device (static and
 // dynamic together): kMaxSharedBytes on sm_90, less on other GPUs. Asked of
 // the runtime once per device and kept without a lock: every tokenize call

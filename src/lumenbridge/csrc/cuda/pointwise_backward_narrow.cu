@@ -181,7 +181,7 @@ bool narrow_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const 
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters) {
   const int64_t cin = p.C, M = grad.size(0), C = grad.size(1);
-  if (parameters && p.layout == Layout::NHWC) {
+  if (parameters) {
     if (auto wide = pointwise_backward_wide(grad, rows, weight, p)) return std::move(*wide);
   }
   if (!parameters || p.layout != Layout::NCHW || !narrow_kernel_covers(grad, rows, weight, cin)) {
@@ -222,9 +222,8 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
                     {out.weight.mutable_data_ptr<T>(), out.bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
                     stream);
   };
-  AT_DISPATCH_SWITCH(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow",
-                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(scalar_t{}); })
-                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(scalar_t{}); }));
+  LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow",
+                                  [&] { launch(scalar_t{}); });
   return out;
 }
 

@@ -23,9 +23,10 @@
 //                .. + 2, A = G by ldmatrix, B = W by transposed ldmatrix.
 // A warp's slots past the shape's blocks and tiles repeat its last one, so
 // the loops hold no branch: with a branch around each term tile, each
-// tile's mma waited for its own ldmatrix (sm_90a SASS), the likely cause
-// (not yet measured) of the 504 us above. The repeats' sums are not written
-// (at stage 2, 3 of d's 16 term slots).
+// tile's mma waited for its own ldmatrix (sm_90a SASS). Branch-free and
+// with sixteen warps the kernel took 314 us where the branched eight-warp
+// one took 504 (H100, benchmarks/NOTES.md, step 100). The repeats' sums
+// are not written (at stage 2, 3 of d's 16 term slots).
 // The sums are deterministic as the narrow kernel's: a fixed run of tiles a
 // block, each warp's own mma in a fixed order, pass 2 in block order.
 #include <c10/cuda/CUDAGuard.h>
@@ -242,9 +243,8 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
                     {out->weight.mutable_data_ptr<T>(), out->bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
                     stream);
   };
-  AT_DISPATCH_SWITCH(grad.scalar_type(), "lumenbridge_pointwise_backward_wide",
-                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { launch(scalar_t{}); })
-                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { launch(scalar_t{}); }));
+  LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_wide",
+                                  [&] { launch(scalar_t{}); });
   return out;
 }
 

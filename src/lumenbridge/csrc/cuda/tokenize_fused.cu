@@ -1427,9 +1427,7 @@ at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, co
     using T = decltype(element);
     dispatch_kernel_size(p.K, [&](auto k) { result = fused::run_fused<T, decltype(k)::value>(images, p, saved); });
   };
-  AT_DISPATCH_SWITCH(p.dtype, "lumenbridge_tokenize_fused",
-                     AT_DISPATCH_CASE(at::ScalarType::Half, [&] { run(scalar_t{}); })
-                         AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] { run(scalar_t{}); }));
+  LUMENBRIDGE_DISPATCH_HALF_TYPES(p.dtype, "lumenbridge_tokenize_fused", [&] { run(scalar_t{}); });
   return result;
 }
 

@@ -22,14 +22,8 @@
 // The sums are deterministic: each block takes a fixed run of tiles, each
 // warp adds its own channels' mma in a fixed order, and pass 2 sums the
 // blocks in a fixed order (partial_sums.cuh).
-#include <c10/cuda/CUDAGuard.h>
-
-#include "../tokenize.h"
-#include "common.cuh"
 #include "fused_parts.cuh"
-#include "partial_sums.cuh"
-#include "pipeline.cuh"
-#include "weight_partials.cuh"
+#include "pointwise_backward_launch.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -41,8 +35,7 @@ using fused::padded_stride;
 constexpr int kRowWidth = static_cast<int>(kRowAlignment);  // the depthwise rows' width
 constexpr int kTerms = static_cast<int>(kNarrowRowTerms);     // Cin weights, then the bias
 constexpr int kMaxInChannels = kTerms - 1;
-constexpr int kTileRows = 64;
-constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
+constexpr int kTileRows = kOnePassTileRows, kBlockRows = kOnePassBlockRows;
 constexpr int kRowBlocks = kTileRows / kBlockRows;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxChannelBlocks = 16;  // C <= 256
@@ -180,51 +173,21 @@ bool narrow_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const 
 
 PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters) {
-  const int64_t cin = p.C, M = grad.size(0), C = grad.size(1);
   if (parameters) {
     if (auto wide = pointwise_backward_wide(grad, rows, weight, p)) return std::move(*wide);
   }
-  if (!parameters || p.layout != Layout::NCHW || !narrow_kernel_covers(grad, rows, weight, cin)) {
-    return pointwise_backward_composed(grad, rows, weight, p, parameters);
+  std::optional<PointwiseGrads> out;
+  if (parameters && p.layout == Layout::NCHW && narrow_kernel_covers(grad, rows, weight, p.C)) {
+    LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow", [&] {
+      // A fixed run of tiles a block, aiming at one wave of two blocks an SM
+      // on the H200, as the NHWC depthwise weight gradients.
+      out = launch_one_pass<scalar_t>(pointwise_backward_narrow_kernel<scalar_t>, kThreads,
+                                      kStages * narrow_tile_elems(static_cast<int>(grad.size(1))) * sizeof(scalar_t),
+                                      kNhwcBlocks, p.Ho * p.Wo, at::MemoryFormat::Contiguous, grad,
+                                      rows, weight, p);
+    });
   }
-  const c10::cuda::CUDAGuard guard(grad.device());
-  TORCH_INTERNAL_ASSERT(M == p.N * p.Ho * p.Wo && rows.size(0) == M && weight.numel() == C * cin);
-  const int64_t tiles = ceil_div64(M, kTileRows);
-  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "LumenBridge: too many pixels for one launch (",
-              text(M), ")");
-  // A fixed run of tiles a block, aiming at one wave of two blocks an SM on
-  // the H200, as the NHWC depthwise weight gradients.
-  const int run = tiles_per_block(tiles, 1, kNhwcBlocks);
-  const int64_t chunks = ceil_div64(tiles, run);
-  PointwiseGrads out;
-  const auto launch = [&](auto element) {
-    using T = decltype(element);
-    constexpr auto kernel = pointwise_backward_narrow_kernel<T>;
-    const size_t shared = kStages * narrow_tile_elems(static_cast<int>(C)) * sizeof(T);
-    if (shared > max_shared_bytes_per_block()) {
-      out = pointwise_backward_composed(grad, rows, weight, p, parameters);
-      return;
-    }
-    const auto options = grad.options();
-    out.grad_depthwise = new_output({p.N, cin, p.Ho, p.Wo}, options, at::MemoryFormat::Contiguous);
-    out.weight = new_output({C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
-    out.bias = new_output({C}, options, at::MemoryFormat::Contiguous);
-    at::Tensor partials = at::empty({C, chunks, cin + 1}, options.dtype(at::kFloat));
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    allow_shared_bytes(kernel, shared);
-    kernel<<<grid_x(chunks), kThreads, shared, stream>>>(
-        grad.const_data_ptr<T>(), rows.const_data_ptr<T>(), weight.const_data_ptr<T>(),
-        out.grad_depthwise.mutable_data_ptr<T>(), partials.mutable_data_ptr<float>(), M, static_cast<int>(C),
-        static_cast<int>(cin), p.Ho * p.Wo, tile_space<1>({tiles}, 1), static_cast<int>(tiles), run,
-        static_cast<int>(chunks));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sum_partials<T>(partials.const_data_ptr<float>(), C, chunks, static_cast<int>(cin + 1),
-                    {out.weight.mutable_data_ptr<T>(), out.bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
-                    stream);
-  };
-  LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_narrow",
-                                  [&] { launch(scalar_t{}); });
-  return out;
+  return out ? std::move(*out) : pointwise_backward_composed(grad, rows, weight, p, parameters);
 }
 
 }  // namespace cuda

@@ -29,14 +29,8 @@
 // are not written (at stage 2, 3 of d's 16 term slots).
 // The sums are deterministic as the narrow kernel's: a fixed run of tiles a
 // block, each warp's own mma in a fixed order, pass 2 in block order.
-#include <c10/cuda/CUDAGuard.h>
-
-#include "../tokenize.h"
-#include "common.cuh"
 #include "fused_parts.cuh"
-#include "partial_sums.cuh"
-#include "pipeline.cuh"
-#include "weight_partials.cuh"
+#include "pointwise_backward_launch.cuh"
 
 namespace lumenbridge {
 namespace cuda {
@@ -47,8 +41,7 @@ using fused::padded_stride;
 
 constexpr int kWideThreads = 512;
 constexpr int kWarps = kWideThreads / 32;
-constexpr int kTileRows = 64;
-constexpr int kBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
+constexpr int kTileRows = kOnePassTileRows, kBlockRows = kOnePassBlockRows;
 constexpr int kRowBlocks = kTileRows / kBlockRows;
 // Tile buffers: two tiles in flight while one is computed. At stage 2 a
 // tile is 38.9 KB, past pipeline_stages' rule for two blocks an SM; this
@@ -207,44 +200,14 @@ bool wide_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const at
 
 std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
                                                       const at::Tensor& weight, const DepthwiseProblem& p) {
-  const int64_t cin = p.C, M = grad.size(0), C = grad.size(1);
-  if (p.layout != Layout::NHWC || !wide_kernel_covers(grad, rows, weight, cin)) return std::nullopt;
-  const c10::cuda::CUDAGuard guard(grad.device());
-  TORCH_INTERNAL_ASSERT(M == p.N * p.Ho * p.Wo && rows.size(0) == M && weight.numel() == C * cin);
-  const int64_t tiles = ceil_div64(M, kTileRows);
-  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "LumenBridge: too many pixels for one launch (",
-              text(M), ")");
-  const int run = tiles_per_block(tiles, 1, kWideBlocks);
-  const int64_t chunks = ceil_div64(tiles, run);
-  const int row_width = static_cast<int>(rows.size(1));
+  if (p.layout != Layout::NHWC || !wide_kernel_covers(grad, rows, weight, p.C)) return std::nullopt;
+  const int C = static_cast<int>(grad.size(1)), cin = static_cast<int>(p.C), row_width = static_cast<int>(rows.size(1));
   std::optional<PointwiseGrads> out;
-  const auto launch = [&](auto element) {
-    using T = decltype(element);
-    constexpr auto kernel = pointwise_backward_wide_kernel<T>;
-    const size_t shared =
-        (C * padded_stride(static_cast<int>(cin)) + kStages * wide_tile_elems(static_cast<int>(C), row_width)) *
-        sizeof(T);
-    if (shared > max_shared_bytes_per_block()) return;
-    const auto options = grad.options();
-    out.emplace();
-    out->grad_depthwise = new_output({p.N, cin, p.Ho, p.Wo}, options, at::MemoryFormat::ChannelsLast);
-    out->weight = new_output({C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
-    out->bias = new_output({C}, options, at::MemoryFormat::Contiguous);
-    at::Tensor partials = at::empty({C, chunks, cin + 1}, options.dtype(at::kFloat));
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    allow_shared_bytes(kernel, shared);
-    kernel<<<grid_x(chunks), kWideThreads, shared, stream>>>(
-        grad.const_data_ptr<T>(), rows.const_data_ptr<T>(), weight.const_data_ptr<T>(),
-        out->grad_depthwise.mutable_data_ptr<T>(), partials.mutable_data_ptr<float>(), M, static_cast<int>(C),
-        static_cast<int>(cin), row_width, tile_space<1>({tiles}, 1), static_cast<int>(tiles), run,
-        static_cast<int>(chunks));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sum_partials<T>(partials.const_data_ptr<float>(), C, chunks, static_cast<int>(cin + 1),
-                    {out->weight.mutable_data_ptr<T>(), out->bias.mutable_data_ptr<T>(), static_cast<int>(cin), 1},
-                    stream);
-  };
-  LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_wide",
-                                  [&] { launch(scalar_t{}); });
+  LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_wide", [&] {
+    const size_t shared = (C * padded_stride(cin) + kStages * wide_tile_elems(C, row_width)) * sizeof(scalar_t);
+    out = launch_one_pass<scalar_t>(pointwise_backward_wide_kernel<scalar_t>, kWideThreads, shared, kWideBlocks,
+                                    row_width, at::MemoryFormat::ChannelsLast, grad, rows, weight, p);
+  });
   return out;
 }
 

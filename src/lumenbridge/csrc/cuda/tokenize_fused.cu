@@ -169,12 +169,16 @@ __device__ void load_depthwise(const T* weight, const T* bias, int channels, int
       });
 }
 
-// The stage-1 taps as float [K * K + 1][Cp], the bias last, for its
-// depthwise on the CUDA cores (a few image channels).
+// The stage-1 taps as float, a row of float_tap_row(K) a channel (its K * K
+// taps, then its bias), for its depthwise on the CUDA cores (a few image
+// channels): a channel's taps are float_tap_row(K) / 4 16-byte reads.
+__host__ __device__ constexpr int float_tap_row(int K) { return round_up(K * K + 1, 4); }
+
 template <typename T, int K>
 __device__ void load_float_taps(float* taps, const T* weight, const T* bias, int channels, int padded) {
-  load_depthwise<T, K>(weight, bias, channels, padded,
-                       [&](int tap, int c, T value) { taps[tap * padded + c] = static_cast<float>(value); });
+  load_depthwise<T, K>(weight, bias, channels, padded, [&](int tap, int c, T value) {
+    taps[c * float_tap_row(K) + tap] = static_cast<float>(value);
+  });
 }
 
 // Later stages' taps as T [K * K][Kp] (a tap's 8 channels are one 16-byte
@@ -186,7 +190,7 @@ __host__ __device__ constexpr size_t taps_with_bias_bytes(int K, int k_padded, s
   return tap_matrix_bytes(K, k_padded, elem) + sizeof(float) * k_padded;
 }
 __host__ __device__ constexpr size_t float_taps_bytes(int K, int channels) {
-  return sizeof(float) * (K * K + 1) * channels;
+  return sizeof(float) * float_tap_row(K) * channels;
 }
 
 // Where the bias follows the taps (const or not, as the taps are).
@@ -488,6 +492,40 @@ __global__ void __launch_bounds__(Threads, 2 * kThreads / Threads) fused_stage_k
 
 // ---- the first kernel: images -> stage 1 -> stage 2 ------------------------------
 
+// Sides of a first-kernel tile's square windows, in stage-1 and in image pixels.
+__host__ __device__ constexpr int stage1_window_side(int K, int stride2) { return (kTile - 1) * stride2 + K; }
+__host__ __device__ constexpr int image_window_side(int K, int stride1, int stride2) {
+  return (stage1_window_side(K, stride2) - 1) * stride1 + K;
+}
+
+// A channel of the image window in shared memory, as floats: its rows, and
+// within each row its columns, ordered by their remainder modulo the
+// stage-1 stride (stride1: those of remainder 0 first, then those of 1), so
+// the pixels one stage-1 tap reads for consecutive stage-1 positions are
+// consecutive floats; rows row_stride floats apart, a number congruent to
+// the stage-1 window's side modulo the 32 banks, so positions on the next
+// row go on in the banks where the row before ended: a warp's read of one
+// tap is free of bank conflicts (in plain rows, counted: two or three passes
+// a read of every other column).
+struct ImagePlane {
+  int phase_side;  // rows (and columns) of remainder 0, the most of any remainder
+  int row_stride, floats;
+};
+__host__ __device__ constexpr ImagePlane image_plane(int K, int stride1, int stride2) {
+  const int phase_side = ceil_div(image_window_side(K, stride1, stride2), stride1);
+  const int row = stride1 * phase_side;
+  const int row_stride = row + ((stage1_window_side(K, stride2) - row) % 32 + 32) % 32;
+  return {phase_side, row_stride, stride1 * phase_side * row_stride};
+}
+
+// Where window pixel (row, column) lies in its channel's plane. Strides are
+// 1 or 2 (the gateway's rule), so a remainder is a mask and a quotient a shift.
+__host__ __device__ constexpr int image_place(const ImagePlane& p, int stride1, int row, int column) {
+  const int shift = stride1 - 1;
+  return ((row & shift) * p.phase_side + (row >> shift)) * p.row_stride + (column & shift) * p.phase_side +
+         (column >> shift);
+}
+
 template <typename T>
 struct FirstArgs {
   StageGemm<T> gemm;  // stage 2
@@ -508,18 +546,13 @@ struct FirstArgs {
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win0_h;
   Divisor win1_w, win0_w;
+  ImagePlane plane;  // of each image channel's window
   int s1_stride;
   // Within the region: the per-tile buffers, then (past the output tile's
   // reach) the weights and taps every tile of a block uses.
   size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset;
   SharedLayout layout;
 };
-
-// Sides of a first-kernel tile's square windows, in stage-1 and in image pixels.
-constexpr int stage1_window_side(int K, int stride2) { return (kTile - 1) * stride2 + K; }
-constexpr int image_window_side(int K, int stride1, int stride2) {
-  return (stage1_window_side(K, stride2) - 1) * stride1 + K;
-}
 
 // Window positions a thread of load_image_window takes: enough for the
 // widest window of K (both strides 2).
@@ -528,7 +561,7 @@ constexpr int window_slots(int K) {
 }
 
 // The image window of a tile, normalized, into shared memory as float
-// [C0][win0_h][win0_w]; zero outside the image. Threads take window
+// [C0][a.plane] (image_place); zero outside the image. Threads take window
 // positions (the same ones for every channel, so their offsets are computed
 // once), and every load of every channel is issued before any is used: a
 // block waits for one memory round trip. A position outside the image reads
@@ -548,7 +581,7 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
   const In* corner = images + n * a.C0 * a.H0 * a.W0 + int64_t{y_origin} * y_step + int64_t{x_origin} * x_step;
   const int window = a.win0_h * a.win0_w.value;
   bool inside[kSlots];
-  int offset[kSlots];
+  int offset[kSlots], place[kSlots];
   GridCursor at(a.win0_w);
 #pragma unroll
   for (int s = 0; s < kSlots; ++s, at.advance()) {
@@ -556,6 +589,7 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
     const int y_in = min(max(y, 0), a.H0 - 1), x_in = min(max(x, 0), a.W0 - 1);
     inside[s] = at.row < a.win0_h && y == y_in && x == x_in;
     offset[s] = (y_in - y_origin) * y_step + (x_in - x_origin) * x_step;
+    place[s] = image_place(a.plane, a.stride1, at.row, at.column);
   }
   float v[kMaxImageChannels][kSlots];
 #pragma unroll
@@ -569,12 +603,12 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
   for (int c = 0; c < kMaxImageChannels; ++c) {
     if (c >= a.C0) break;
     const float mean = a.normalization.mean[c], inv_std = a.normalization.inv_std[c];
-    float* plane = image + c * window + threadIdx.x;
+    float* plane = image + c * a.plane.floats;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       // Zero after normalization: padding is zero in normalized space.
       const float value = normalized<In>(v[c][s], mean, inv_std);
-      if (threadIdx.x + s * kThreads < window) plane[s * kThreads] = inside[s] ? value : 0.0f;
+      if (threadIdx.x + s * kThreads < window) plane[place[s]] = inside[s] ? value : 0.0f;
     }
   }
 }
@@ -602,30 +636,40 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // the one in column C0, as the backward's images_depthwise_rows computes them
 // (the same sums in the same order), unless `saved_rows1` is null (the parts
 // of a split tile but the first). The taps come from shared memory
-// ([K * K + 1][kMaxImageChannels] float, bias last): read from the weight
-// tensor, each would be a global load and a conversion per tap and position.
-template <typename T, int K>
-__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
-                                 T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
-  const int win1 = a.win1_h * a.win1_w.value, win0 = a.win0_h * a.win0_w.value;
-  GridCursor at(a.win1_w);
-  for (int q = threadIdx.x; q < padded_rows; q += kThreads, at.advance()) {
+// (load_float_taps): read from the weight tensor, each would be a global
+// load and a conversion per tap and position. With the strides known to the
+// compiler, every read of the window is at a fixed offset from the
+// position's own (image_place).
+template <typename T, int K, int S1, int S2>
+__device__ void stage1_depthwise_strided(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1,
+                                         bool* inside, T* saved_rows1, int padded_rows, int64_t n, int y_origin,
+                                         int x_origin) {
+  constexpr int side = stage1_window_side(K, S2), kRow = float_tap_row(K);
+  constexpr ImagePlane plane = image_plane(K, S1, S2);
+  for (int q = threadIdx.x; q < padded_rows; q += kThreads) {
     float out[8] = {};
-    const int y = at.row, x = at.column;
+    const int y = q / side, x = q % side;
     const bool in_extent =
-        q < win1 && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
+        q < side * side && y_origin + y >= 0 && y_origin + y < a.H1 && x_origin + x >= 0 && x_origin + x < a.W1;
     inside[q] = in_extent;
-    if (q < win1) {
+    if (q < side * side) {
+      const float* src = image + y * plane.row_stride + x;
 #pragma unroll
       for (int c = 0; c < kMaxImageChannels; ++c) {
         if (c >= a.C0) continue;
-        const float* src = image + c * win0 + (y * a.stride1) * a.win0_w.value + x * a.stride1;
-        float acc = taps1[K * K * kMaxImageChannels + c];
+        float4 taps[kRow / 4];
+#pragma unroll
+        for (int i = 0; i < kRow / 4; ++i) taps[i] = *reinterpret_cast<const float4*>(taps1 + c * kRow + 4 * i);
+        const auto tap = [&](int t) {
+          const float4& four = taps[t / 4];
+          return t % 4 == 0 ? four.x : t % 4 == 1 ? four.y : t % 4 == 2 ? four.z : four.w;
+        };
+        float acc = tap(K * K);
 #pragma unroll
         for (int ky = 0; ky < K; ++ky) {
 #pragma unroll
           for (int kx = 0; kx < K; ++kx) {
-            acc = fmaf(taps1[(ky * K + kx) * kMaxImageChannels + c], src[ky * a.win0_w.value + kx], acc);
+            acc = fmaf(tap(ky * K + kx), src[c * plane.floats + image_place(plane, S1, ky, kx)], acc);
           }
         }
         out[c] = acc;
@@ -633,12 +677,32 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
     }
     uint4 row = pack8<T>(out);
     *reinterpret_cast<uint4*>(d1 + q * 8) = row;
-    const int span = kTile * a.stride2, pad = K / 2;
+    constexpr int span = kTile * S2, pad = K / 2;
     if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
       reinterpret_cast<T*>(&row)[a.C0] = T(1.0f);
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
       *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = row;
     }
+  }
+}
+
+template <typename T, int K>
+__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
+                                 T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
+  if (a.stride1 == 2) {
+    if (a.stride2 == 2) {
+      stage1_depthwise_strided<T, K, 2, 2>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
+                                           x_origin);
+    } else {
+      stage1_depthwise_strided<T, K, 2, 1>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
+                                           x_origin);
+    }
+  } else if (a.stride2 == 2) {
+    stage1_depthwise_strided<T, K, 1, 2>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
+                                         x_origin);
+  } else {
+    stage1_depthwise_strided<T, K, 1, 1>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
+                                         x_origin);
   }
 }
 
@@ -774,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   unsigned char* region = shared + args.layout.region_offset;
-  float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][win0_h][win0_w]
+  float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][args.plane]
   const int padded_rows = round_up(args.win1_h * args.win1_w.value, 16);
   T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
@@ -782,7 +846,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the bias quads
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
   T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp], then the float bias
-  float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [K * K + 1][kMaxImageChannels]
+  float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [kMaxImageChannels][float_tap_row(K)]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
   constexpr int pad = K / 2;
@@ -862,6 +926,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
 
 struct FirstGeometry {
   int win1_h, win1_w, win0_h, win0_w, s1_stride;
+  ImagePlane plane;
   size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, scratch;
 };
 
@@ -870,10 +935,11 @@ FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padd
   FirstGeometry g;
   g.win1_h = g.win1_w = stage1_window_side(K, stride2);
   g.win0_h = g.win0_w = image_window_side(K, stride1, stride2);
+  g.plane = image_plane(K, stride1, stride2);
   g.s1_stride = padded_stride(k_padded);
   const int win1 = g.win1_h * g.win1_w;
   g.image_offset = 0;
-  g.d1_offset = align16(sizeof(float) * C0 * g.win0_h * g.win0_w);
+  g.d1_offset = align16(sizeof(float) * C0 * g.plane.floats);
   g.s1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
   g.w1_offset =
       std::max(g.s1_offset + align16(elem * win1 * g.s1_stride), align16(out_tile_bytes(out_channels, elem)));
@@ -1192,6 +1258,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   a.win1_w = Divisor::of(g.win1_w);
   a.win0_h = g.win0_h;
   a.win0_w = Divisor::of(g.win0_w);
+  a.plane = g.plane;
   a.s1_stride = g.s1_stride;
   a.image_offset = g.image_offset;
   a.d1_offset = g.d1_offset;

@@ -65,3 +65,12 @@ def test_build_report_names_what_was_built(native_ops):
     assert report.with_cuda == extension.has_cuda_kernels()
     if report.with_cuda:
         assert report.cuda_archs and all("." in arch for arch in report.cuda_archs)
+
+
+@pytest.mark.parametrize("with_cuda", [False, True])
+def test_sources_are_listed_largest_first_so_the_longest_compile_starts_first(with_cuda):
+    sources = extension._lumenbridge_library(with_cuda).sources
+    sizes = [path.stat().st_size for path in sources]
+    assert sizes == sorted(sizes, reverse=True)
+    assert any(path.suffix == ".cu" for path in sources) == with_cuda
+    assert len(set(sources)) == len(sources) and all(path.is_file() for path in sources)

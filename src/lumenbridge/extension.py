@@ -410,9 +410,11 @@ def _compile_recording_failure(library: Library, folder: Path, toolchain: dict, 
 
 
 def _lumenbridge_library(with_cuda: bool) -> Library:
-    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]
-    if with_cuda:
-        sources += sorted((CSRC / "cuda").glob("*.cu"))
+    sources = [*CSRC.glob("*.cpp"), *(CSRC / "cpu").glob("*.cpp"), *((CSRC / "cuda").glob("*.cu") if with_cuda else ())]
+    # Largest first: ninja starts its jobs in this order, as many as the cores
+    # allow, and the largest file (the fused kernels, the longest compile) would
+    # otherwise wait for a free core at the end of the list.
+    sources.sort(key=lambda path: (-path.stat().st_size, path.name))
     # No -std flag: cpp_extension passes the C++ standard that this torch's headers need.
     return Library(
         name="lumenbridge_" + ("cuda" if with_cuda else "cpu"),

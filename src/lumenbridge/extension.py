@@ -410,7 +410,9 @@ def _compile_recording_failure(library: Library, folder: Path, toolchain: dict, 
 
 
 def _lumenbridge_library(with_cuda: bool) -> Library:
-    sources = [*CSRC.glob("*.cpp"), *(CSRC / "cpu").glob("*.cpp"), *((CSRC / "cuda").glob("*.cu") if with_cuda else ())]
+    sources = [*CSRC.glob("*.cpp"), *(CSRC / "cpu").glob("*.cpp")]
+    if with_cuda:
+        sources += (CSRC / "cuda").glob("*.cu")
     # Largest first: ninja starts its jobs in this order, as many as the cores
     # allow, and the largest file (the fused kernels, the longest compile) would
     # otherwise wait for a free core at the end of the list.

@@ -160,6 +160,17 @@ void dispatch_stride(int64_t s, Body&& body) {
   }
 }
 
+// dispatch_stride's twin for device code, on a stride the gateway has
+// already checked (1 or 2).
+template <typename Body>
+__device__ __forceinline__ void dispatch_checked_stride(int s, Body&& body) {
+  if (s == 2) {
+    body(std::integral_constant<int, 2>{});
+  } else {
+    body(std::integral_constant<int, 1>{});
+  }
+}
+
 // Runs `body` with std::integral_constant<int, VEC> for the two widths each
 // kernel instantiates: MAX_VEC (when vector_width allows it) or scalar.
 template <int MAX_VEC, typename Body>

@@ -641,9 +641,8 @@ __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* 
 // compiler, every read of the window is at a fixed offset from the
 // position's own (image_place).
 template <typename T, int K, int S1, int S2>
-__device__ void stage1_depthwise_strided(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1,
-                                         bool* inside, T* saved_rows1, int padded_rows, int64_t n, int y_origin,
-                                         int x_origin) {
+__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
+                                 T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
   constexpr int side = stage1_window_side(K, S2), kRow = float_tap_row(K);
   constexpr ImagePlane plane = image_plane(K, S1, S2);
   for (int q = threadIdx.x; q < padded_rows; q += kThreads) {
@@ -683,26 +682,6 @@ __device__ void stage1_depthwise_strided(const FirstArgs<T>& a, const float* ima
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
       *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = row;
     }
-  }
-}
-
-template <typename T, int K>
-__device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, const float* taps1, T* d1, bool* inside,
-                                 T* saved_rows1, int padded_rows, int64_t n, int y_origin, int x_origin) {
-  if (a.stride1 == 2) {
-    if (a.stride2 == 2) {
-      stage1_depthwise_strided<T, K, 2, 2>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
-                                           x_origin);
-    } else {
-      stage1_depthwise_strided<T, K, 2, 1>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
-                                           x_origin);
-    }
-  } else if (a.stride2 == 2) {
-    stage1_depthwise_strided<T, K, 1, 2>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
-                                         x_origin);
-  } else {
-    stage1_depthwise_strided<T, K, 1, 1>(a, image, taps1, d1, inside, saved_rows1, padded_rows, n, y_origin,
-                                         x_origin);
   }
 }
 
@@ -893,7 +872,12 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     __syncthreads();
     phase_mark(clock, kWindow);
 
-    stage1_depthwise<T, K>(args, image, taps1, d1, inside, saved_rows1, padded_rows, n, y1_origin, x1_origin);
+    dispatch_checked_stride(args.stride1, [&](auto stride1) {
+      dispatch_checked_stride(args.stride2, [&](auto stride2) {
+        stage1_depthwise<T, K, decltype(stride1)::value, decltype(stride2)::value>(
+            args, image, taps1, d1, inside, saved_rows1, padded_rows, n, y1_origin, x1_origin);
+      });
+    });
     __syncthreads();
     phase_mark(clock, kStage1Depthwise);
 
@@ -901,11 +885,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
     __syncthreads();
     phase_mark(clock, kStage1Pointwise);
 
-    if (args.stride2 == 2) {
-      stage2_depthwise<T, K, 2>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
-    } else {
-      stage2_depthwise<T, K, 1>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
-    }
+    dispatch_checked_stride(args.stride2, [&](auto stride2) {
+      stage2_depthwise<T, K, decltype(stride2)::value>(args, s1, taps, a_tile, a_stride, Kp, first_group, share);
+    });
     __syncthreads();
     phase_mark(clock, kDepthwise);
     if constexpr (clustered) {

@@ -80,7 +80,10 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                                    float* __restrict__ partials, int64_t M, int C, int cin, int row_width,
                                    TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  if constexpr (kWidest) C = kMaxChannels, cin = kMaxInChannels;
+  if constexpr (kWidest) {
+    C = kMaxChannels;
+    cin = kMaxInChannels;
+  }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // an mma fragment's row group and column pair
   const int matrix = lane / 8, matrix_row = lane % 8;

@@ -34,8 +34,10 @@
 // known to the compiler, so that each ldmatrix's shared-memory address is a
 // register plus an immediate, and the g_d loop is unrolled whole: its sm_90a
 // SASS runs about 245 instructions a warp between a tile's loads and its
-// stores, and 550 a tile, where the instance for any width runs 395 and 710
-// on that stage (the strides' products recomputed for each ldmatrix).
+// stores where the instance for any width runs 395 on that stage (the
+// strides' products recomputed for each ldmatrix). With the tile's loads as
+// runs of units (below: about 125 instructions a warp, where a cursor over
+// rows and columns with 64-bit addresses took 200), a tile is about 450.
 #include "fused_parts.cuh"
 #include "pointwise_backward_launch.cuh"
 
@@ -43,7 +45,6 @@ namespace lumenbridge {
 namespace cuda {
 namespace {
 
-using fused::GridCursor;
 using fused::padded_stride;
 
 constexpr int kWideThreads = 512;
@@ -63,6 +64,10 @@ constexpr int kMaxChannels = kWarpChannelBlocks * 16 * kChannelGroups;
 constexpr int kMaxInChannels = kWarpOutputTiles * 8 * (kWarps / kRowBlocks);
 static_assert(kWarps % kRowBlocks == 0, "whole warps a g_d row block");
 static_assert(kTermGroups * kWarpTermTiles * 8 >= kMaxInChannels + 8, "the term groups hold d's rows");
+// A thread's 16-byte units of a tile's g and d (whose rows are at most the
+// terms the term groups hold).
+constexpr int kGUnitsPerThread = (kTileRows * kMaxChannels / 8 + kWideThreads - 1) / kWideThreads;
+constexpr int kDUnitsPerThread = (kTileRows * kTermGroups * kWarpTermTiles + kWideThreads - 1) / kWideThreads;
 // One block an SM (its registers and the ring): one wave on 132 SMs. A
 // function of the shape alone, so the sums are the same on every GPU.
 constexpr int64_t kWideBlocks = 132;
@@ -97,20 +102,32 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     w_tile[i] = j < cin ? weight[c * cin + j] : static_cast<T>(0.0f);
   }
 
-  const GridCursor first_g_unit(C / 8, tid, kWideThreads);  // 16-byte units of g's rows
-  const GridCursor first_d_unit(row_width / 8, tid, kWideThreads);
+  // A tile's rows of g and of d are each one run of 16-byte units in global
+  // memory, so a thread's i-th unit (u = tid + 512 i) sits at a fixed place in
+  // both runs, and the units inside the matrix are the first `rows inside x
+  // units a row`. Only the shared copy of g pads its rows (g_stride), by the
+  // unit's row times the padding.
+  const int g_row_units = C / 8, d_row_units = row_width / 8;
   auto load = [&](T* tile, const TileCursor<1>& cursor) {
     const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
-    for (GridCursor unit = first_g_unit; unit.row < kTileRows; unit.advance()) {
-      const bool inside = m0 + unit.row < M;
-      copy_chunk_async<T, 8>(tile + unit.row * g_stride + unit.column * 8,
-                             grad + (inside ? (m0 + unit.row) * C + unit.column * 8 : 0), inside);
+    const int rows_inside = static_cast<int>(min(static_cast<int64_t>(kTileRows), M - m0));
+    const T* const g_run = grad + m0 * C;
+    const int g_inside = rows_inside * g_row_units;
+#pragma unroll
+    for (int i = 0; i < kGUnitsPerThread; ++i) {
+      const int u = tid + i * kWideThreads;
+      if (u >= kTileRows * g_row_units) break;
+      copy_chunk_async<T, 8>(tile + u * 8 + u / g_row_units * (g_stride - C), g_run + (u < g_inside ? u * 8 : 0),
+                             u < g_inside);
     }
     T* const d = tile + kTileRows * g_stride;
-    for (GridCursor unit = first_d_unit; unit.row < kTileRows; unit.advance()) {
-      const bool inside = m0 + unit.row < M;
-      copy_chunk_async<T, 8>(d + unit.row * row_width + unit.column * 8,
-                             rows + (inside ? (m0 + unit.row) * row_width + unit.column * 8 : 0), inside);
+    const T* const d_run = rows + m0 * row_width;
+    const int d_inside = rows_inside * d_row_units;
+#pragma unroll
+    for (int i = 0; i < kDUnitsPerThread; ++i) {
+      const int u = tid + i * kWideThreads;
+      if (u >= kTileRows * d_row_units) break;
+      copy_chunk_async<T, 8>(d + u * 8, d_run + (u < d_inside ? u * 8 : 0), u < d_inside);
     }
   };
 

@@ -72,6 +72,22 @@ constexpr int kDUnitsPerThread = (kTileRows * kTermGroups * kWarpTermTiles + kWi
 // function of the shape alone, so the sums are the same on every GPU.
 constexpr int64_t kWideBlocks = 132;
 
+// A tile's rows of one matrix into shared memory: in global memory they are
+// one run of 16-byte units, `row_units` a row, so a thread's i-th unit (u =
+// tid + 512 i) sits at a fixed place in the run, and the units inside the
+// matrix are the first rows_inside x row_units (the rest are zeros). Shared
+// rows are `padding` elements longer, so the unit's row places it there.
+template <int kUnitsPerThread, typename T>
+__device__ __forceinline__ void load_tile_rows(T* dst, const T* run, int row_units, int padding, int rows_inside) {
+  const int inside = rows_inside * row_units;
+#pragma unroll
+  for (int i = 0; i < kUnitsPerThread; ++i) {
+    const int u = static_cast<int>(threadIdx.x) + i * kWideThreads;
+    if (u >= kTileRows * row_units) break;
+    copy_chunk_async<T, 8>(dst + u * 8 + u / row_units * padding, run + (u < inside ? u * 8 : 0), u < inside);
+  }
+}
+
 // A tile's elements: g's rows (padded), then d's.
 __host__ __device__ int wide_tile_elems(int C, int row_width) {
   return kTileRows * padded_stride(C) + kTileRows * row_width;
@@ -102,33 +118,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     w_tile[i] = j < cin ? weight[c * cin + j] : static_cast<T>(0.0f);
   }
 
-  // A tile's rows of g and of d are each one run of 16-byte units in global
-  // memory, so a thread's i-th unit (u = tid + 512 i) sits at a fixed place in
-  // both runs, and the units inside the matrix are the first `rows inside x
-  // units a row`. Only the shared copy of g pads its rows (g_stride), by the
-  // unit's row times the padding.
-  const int g_row_units = C / 8, d_row_units = row_width / 8;
   auto load = [&](T* tile, const TileCursor<1>& cursor) {
     const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
     const int rows_inside = static_cast<int>(min(static_cast<int64_t>(kTileRows), M - m0));
-    const T* const g_run = grad + m0 * C;
-    const int g_inside = rows_inside * g_row_units;
-#pragma unroll
-    for (int i = 0; i < kGUnitsPerThread; ++i) {
-      const int u = tid + i * kWideThreads;
-      if (u >= kTileRows * g_row_units) break;
-      copy_chunk_async<T, 8>(tile + u * 8 + u / g_row_units * (g_stride - C), g_run + (u < g_inside ? u * 8 : 0),
-                             u < g_inside);
-    }
-    T* const d = tile + kTileRows * g_stride;
-    const T* const d_run = rows + m0 * row_width;
-    const int d_inside = rows_inside * d_row_units;
-#pragma unroll
-    for (int i = 0; i < kDUnitsPerThread; ++i) {
-      const int u = tid + i * kWideThreads;
-      if (u >= kTileRows * d_row_units) break;
-      copy_chunk_async<T, 8>(d + u * 8, d_run + (u < d_inside ? u * 8 : 0), u < d_inside);
-    }
+    load_tile_rows<kGUnitsPerThread>(tile, grad + m0 * C, C / 8, g_stride - C, rows_inside);
+    load_tile_rows<kDUnitsPerThread>(tile + kTileRows * g_stride, rows + m0 * row_width, row_width / 8, 0,
+                                     rows_inside);
   };
 
   const int first_block = (warp % kChannelGroups) * kWarpChannelBlocks;

@@ -29,6 +29,15 @@
 // are not written (at stage 2, 3 of d's 16 term slots).
 // The sums are deterministic as the narrow kernel's: a fixed run of tiles a
 // block, each warp's own mma in a fixed order, pass 2 in block order.
+// The widest stage the kernel covers (C = 192, Cin = 96: lumenbridge-base's
+// stage 2 and lumenbridge-small's stage 3) runs an instance with those widths
+// known to the compiler, so that each ldmatrix's shared-memory address is a
+// register plus an immediate, and the g_d loop is unrolled whole: its sm_90a
+// SASS runs about 245 instructions a warp between a tile's loads and its
+// stores where the instance for any width runs 395 on that stage (the
+// strides' products recomputed for each ldmatrix). With the tile's loads as
+// runs of units (below: about 125 instructions a warp, where a cursor over
+// rows and columns with 64-bit addresses took 200), a tile is about 450.
 #include "fused_parts.cuh"
 #include "pointwise_backward_launch.cuh"
 
@@ -36,7 +45,6 @@ namespace lumenbridge {
 namespace cuda {
 namespace {
 
-using fused::GridCursor;
 using fused::padded_stride;
 
 constexpr int kWideThreads = 512;
@@ -56,22 +64,47 @@ constexpr int kMaxChannels = kWarpChannelBlocks * 16 * kChannelGroups;
 constexpr int kMaxInChannels = kWarpOutputTiles * 8 * (kWarps / kRowBlocks);
 static_assert(kWarps % kRowBlocks == 0, "whole warps a g_d row block");
 static_assert(kTermGroups * kWarpTermTiles * 8 >= kMaxInChannels + 8, "the term groups hold d's rows");
+// A thread's 16-byte units of a tile's g and d (whose rows are at most the
+// terms the term groups hold).
+constexpr int kGUnitsPerThread = (kTileRows * kMaxChannels / 8 + kWideThreads - 1) / kWideThreads;
+constexpr int kDUnitsPerThread = (kTileRows * kTermGroups * kWarpTermTiles + kWideThreads - 1) / kWideThreads;
 // One block an SM (its registers and the ring): one wave on 132 SMs. A
 // function of the shape alone, so the sums are the same on every GPU.
 constexpr int64_t kWideBlocks = 132;
+
+// A tile's rows of one matrix into shared memory: in global memory they are
+// one run of 16-byte units, `row_units` a row, so a thread's i-th unit (u =
+// tid + 512 i) sits at a fixed place in the run, and the units inside the
+// matrix are the first rows_inside x row_units (the rest are zeros). Shared
+// rows are `padding` elements longer, so the unit's row places it there.
+template <int kUnitsPerThread, typename T>
+__device__ __forceinline__ void load_tile_rows(T* dst, const T* run, int row_units, int padding, int rows_inside) {
+  const int inside = rows_inside * row_units;
+#pragma unroll
+  for (int i = 0; i < kUnitsPerThread; ++i) {
+    const int u = static_cast<int>(threadIdx.x) + i * kWideThreads;
+    if (u >= kTileRows * row_units) break;
+    copy_chunk_async<T, 8>(dst + u * 8 + u / row_units * padding, run + (u < inside ? u * 8 : 0), u < inside);
+  }
+}
 
 // A tile's elements: g's rows (padded), then d's.
 __host__ __device__ int wide_tile_elems(int C, int row_width) {
   return kTileRows * padded_stride(C) + kTileRows * row_width;
 }
 
-template <typename T>
+// kWidest: the caller has checked that C and Cin are the widest covered.
+template <typename T, bool kWidest>
 __global__ void __launch_bounds__(kWideThreads, 1)
     pointwise_backward_wide_kernel(const T* __restrict__ grad, const T* __restrict__ rows,
                                    const T* __restrict__ weight, T* __restrict__ grad_depthwise,
                                    float* __restrict__ partials, int64_t M, int C, int cin, int row_width,
                                    TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
+  if constexpr (kWidest) {
+    C = kMaxChannels;
+    cin = kMaxInChannels;
+  }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // an mma fragment's row group and column pair
   const int matrix = lane / 8, matrix_row = lane % 8;
@@ -85,21 +118,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     w_tile[i] = j < cin ? weight[c * cin + j] : static_cast<T>(0.0f);
   }
 
-  const GridCursor first_g_unit(C / 8, tid, kWideThreads);  // 16-byte units of g's rows
-  const GridCursor first_d_unit(row_width / 8, tid, kWideThreads);
   auto load = [&](T* tile, const TileCursor<1>& cursor) {
     const int64_t m0 = static_cast<int64_t>(cursor.digit[0]) * kTileRows;
-    for (GridCursor unit = first_g_unit; unit.row < kTileRows; unit.advance()) {
-      const bool inside = m0 + unit.row < M;
-      copy_chunk_async<T, 8>(tile + unit.row * g_stride + unit.column * 8,
-                             grad + (inside ? (m0 + unit.row) * C + unit.column * 8 : 0), inside);
-    }
-    T* const d = tile + kTileRows * g_stride;
-    for (GridCursor unit = first_d_unit; unit.row < kTileRows; unit.advance()) {
-      const bool inside = m0 + unit.row < M;
-      copy_chunk_async<T, 8>(d + unit.row * row_width + unit.column * 8,
-                             rows + (inside ? (m0 + unit.row) * row_width + unit.column * 8 : 0), inside);
-    }
+    const int rows_inside = static_cast<int>(min(static_cast<int64_t>(kTileRows), M - m0));
+    load_tile_rows<kGUnitsPerThread>(tile, grad + m0 * C, C / 8, g_stride - C, rows_inside);
+    load_tile_rows<kDUnitsPerThread>(tile + kTileRows * g_stride, rows + m0 * row_width, row_width / 8, 0,
+                                     rows_inside);
   };
 
   const int first_block = (warp % kChannelGroups) * kWarpChannelBlocks;
@@ -156,7 +180,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       if (m >= M) continue;
 #pragma unroll
       for (int n = 0; n < kWarpOutputTiles; ++n) {
-        if (first_output_tile + n >= output_tiles) continue;
+        // The widest stage has no slots past its tiles: no test there.
+        if (!kWidest && first_output_tile + n >= output_tiles) continue;
         const float pair[2] = {gd[n][2 * half], gd[n][2 * half + 1]};
         store_vec<T, 2>(grad_depthwise + m * cin + (first_output_tile + n) * 8 + 2 * t, from_floats<T, 2>(pair));
       }
@@ -205,8 +230,10 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
   std::optional<PointwiseGrads> out;
   LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_wide", [&] {
     const size_t shared = (C * padded_stride(cin) + kStages * wide_tile_elems(C, row_width)) * sizeof(scalar_t);
-    out = launch_one_pass<scalar_t>(pointwise_backward_wide_kernel<scalar_t>, kWideThreads, shared, kWideBlocks,
-                                    row_width, at::MemoryFormat::ChannelsLast, grad, rows, weight, p);
+    const auto kernel = C == kMaxChannels && cin == kMaxInChannels ? pointwise_backward_wide_kernel<scalar_t, true>
+                                                                   : pointwise_backward_wide_kernel<scalar_t, false>;
+    out = launch_one_pass<scalar_t>(kernel, kWideThreads, shared, kWideBlocks, row_width,
+                                    at::MemoryFormat::ChannelsLast, grad, rows, weight, p);
   });
   return out;
 }

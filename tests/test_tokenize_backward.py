@@ -735,3 +735,32 @@ def test_compiled_training_step_matches_eager(device, native_ops, monkeypatch):
     model(images).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_the_wide_stages_depthwise_gradient_takes_no_memory_of_its_own(device, cuda_kernels):
+    """lumenbridge-base's stage 2 (96 -> 192 channels at 56 x 56): the wide
+    pointwise kernel writes the depthwise output's gradient g_d over its own
+    input g, and the fold writes its output over g_d, so the training
+    backward never holds g and g_d apart. Its peak above what it held when it
+    began stays below g + g_d (each gradient below it is smaller)."""
+    batch, side = 128, 56
+    model = VisualTokenizer(seed=0, backend="native").to(device, torch.bfloat16).train()
+    images = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8, device=device)
+
+    def backward_peak() -> int:
+        model.zero_grad(set_to_none=True)
+        tokens = model(images)
+        grad_tokens = torch.randn_like(tokens)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        tokens.backward(grad_tokens)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - held
+
+    backward_peak()  # the first backward also allocates cuBLAS's workspace
+    g = batch * side * side * 192 * 2
+    g_d = batch * side * side * 96 * 2
+    peak = backward_peak()
+    assert peak < g + g_d, f"{peak / 1e6:.1f} MB above what the backward began with, g + g_d = {(g + g_d) / 1e6:.1f} MB"

@@ -49,6 +49,10 @@ LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
 
 namespace cuda {
 LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES
+// Whether backward (and backward_from_rows) of problem p in `dtype` runs in
+// the one-pass kernel on the current device, which reads a grad_output whose
+// pixels lie further apart than C (as the wide pointwise backward writes it).
+bool depthwise_backward_in_one_pass(const DepthwiseProblem& p, at::ScalarType dtype);
 }  // namespace cuda
 
 #undef LUMENBRIDGE_ACTIVATED_DEPTHWISE_ENTRIES

@@ -612,6 +612,10 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
   return out;
 }
 
+bool sole_reference(const at::Tensor& t) {
+  return t.use_count() == 1 && t.storage().use_count() == 1 && !t.requires_grad();
+}
+
 // Each op's arguments, spelled once: the ops and their checks alone (the
 // fakes' kernels) share them.
 #define LUMENBRIDGE_FORWARD_ARGUMENTS "(Tensor input, Tensor weight, Tensor? bias, int stride)"

@@ -67,6 +67,13 @@ at::TensorList as_list(const c10::optional<at::Tensor>& t);
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
                       at::MemoryFormat memory_format);
 
+// Whether `t` is the only tensor that refers to its memory, needing no
+// gradient: a kernel handed it (by value, or as its caller's last use) may
+// write over it. Views hold their own references to the memory, so the
+// composed backward runs with autograd's view tracking off (a view would
+// otherwise keep its base alive too).
+bool sole_reference(const at::Tensor& t);
+
 // Kernel entry points. Each allocates its outputs with ATen (in the problem's
 // memory format) and launches on the current stream.
 //   forward:          out[n,c,y,x] = bias[c] + sum_{i,j} w[c,i,j] * in[n,c,y*s+i-p,x*s+j-p]

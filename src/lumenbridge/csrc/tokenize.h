@@ -89,23 +89,26 @@ struct TokenizeGradMask {
 };
 
 // A stage's pointwise backward over rows: the gradient of its depthwise
-// output, [N, Cin, h, w] dense in the stage's depthwise layout, and (when
+// output, [N, Cin, h, w] in the stage's depthwise layout, and (when
 // asked for) its pointwise weight and bias gradients. Composed of two GEMMs
 // on every device (tokenize_backward.cpp); on CUDA, in half types, stages
 // with up to three input channels take one kernel
 // (cuda/pointwise_backward_narrow.cu: output channels a multiple of 16 up
 // to 256), and NHWC stages with up to 96 (a multiple of 8) another
 // (cuda/pointwise_backward_wide.cu: output channels a multiple of 16 up to
-// 192).
+// 192). The gradient is dense, except that the wide kernel, handed g's only
+// reference where the stage's depthwise backward runs in one pass
+// (cuda::depthwise_backward_in_one_pass), writes it over g: channels-last
+// with its pixels Cout elements apart.
 struct PointwiseGrads {
   at::Tensor grad_depthwise, weight, bias;
 };
 // grad: [M, Cout] rows of the pointwise output's gradient; rows: the stage's
 // depthwise rows; weight: [Cout, Cin, 1, 1]; p: the stage's depthwise problem.
-PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
+PointwiseGrads pointwise_backward_composed(at::Tensor grad, const at::Tensor& rows, const at::Tensor& weight,
                                            const DepthwiseProblem& p, bool parameters);
 namespace cuda {
-PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
+PointwiseGrads pointwise_backward(at::Tensor grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters);
 // The wide stages' kernel (above); nullopt where it does not cover the
 // problem.
@@ -118,7 +121,10 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
 // the same pass: the gradient of pre, between the two, never reaches
 // device memory. On CUDA (cuda/depthwise_backward_both.cu: half types,
 // stride 2, NHWC); nullopt where that kernel does not cover the problem.
-// The arguments are activated_depthwise_backward_from_rows's.
+// The arguments are activated_depthwise_backward_from_rows's. Where
+// grad_output is the only reference to its memory, the previous stage's
+// g_d takes that memory: the caller reads grad_output no more once this
+// returns gradients.
 struct FoldedGrads {
   at::Tensor weight, bias;
   PointwiseGrads previous;

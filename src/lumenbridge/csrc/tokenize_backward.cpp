@@ -251,7 +251,11 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
     }
     at::Tensor g_p = rows(norm.input);
     norm.input.reset();
-    PointwiseGrads pointwise = kernels.pointwise_backward(g_p, depthwise, s.pw_weight, dw, mask.parameters);
+    // Handed g_p's only reference, a kernel may write g_d over it (pitched;
+    // cuda/pointwise_backward_wide.cu). The images' stage's kernels read g_d
+    // dense, so there g_p is kept.
+    PointwiseGrads pointwise =
+        kernels.pointwise_backward(i == 0 ? g_p : std::move(g_p), depthwise, s.pw_weight, dw, mask.parameters);
     if (mask.parameters) {
       grads.pw_weights[i] = std::move(pointwise.weight);
       grads.pw_biases[i] = std::move(pointwise.bias);
@@ -295,8 +299,8 @@ HandedGrad stage_backward(HandedGrad handed, at::Tensor output, at::Tensor depth
 // gradient g_p^T d and, from the ones column, the bias gradient
 // sum_m g_p[m, :] in one GEMM (accumulating in float), so g_p is read once
 // more.
-PointwiseGrads pointwise_backward_composed(const at::Tensor& grad, const at::Tensor& rows_of_d,
-                                           const at::Tensor& weight, const DepthwiseProblem& p, bool parameters) {
+PointwiseGrads pointwise_backward_composed(at::Tensor grad, const at::Tensor& rows_of_d, const at::Tensor& weight,
+                                           const DepthwiseProblem& p, bool parameters) {
   const int64_t cin = p.C, cout = weight.size(0), padding = padding_columns(cin);
   const at::Tensor matrix = weight.view({cout, cin});
   const at::Tensor w = padding == 0 ? matrix : at::constant_pad_nd(matrix, {0, padding});
@@ -361,6 +365,11 @@ TrainingResult tokenize_for_training_composed(const at::Tensor& images, const To
 TokenizeGrads tokenize_backward_composed(const at::Tensor& grad_tokens, const at::Tensor& images,
                                          const TokenizeProblem& p, TokenizeGradMask mask,
                                          const BackwardKernels& kernels, const SavedForward& saved) {
+  // Without view tracking a view holds no reference to its base, so a
+  // gradient whose last view is handed on is its memory's sole reference
+  // (sole_reference), which kernels may write over. No autograd graph is
+  // built here: the op's autograd kernel sits above this one.
+  const at::AutoDispatchBelowADInplaceOrView below;
   const size_t S = p.stages.size();
   Recomputed forward = recompute_forward(images, p, kernels, mask.parameters, KeptOutputs::READ, saved);
   std::vector<at::Tensor>& outputs = forward.outputs;

@@ -35,6 +35,9 @@
 // registers, then the fixed-order pass 2.
 #include <c10/cuda/CUDAGuard.h>
 
+#include <limits>
+#include <numeric>
+
 #include "../activated_depthwise.h"
 #include "../tokenize.h"
 #include "common.cuh"
@@ -266,7 +269,8 @@ __device__ __forceinline__ void store_fold_partials(const float (&weight_sums)[2
 }
 
 // FOLD (with FROM_ROWS, half types): the narrow stage's pointwise backward
-// into `fold`, instead of the gradient of pre into grad_input.
+// into `fold`, instead of the gradient of pre into grad_input. grad_output's
+// pixels lie grad_pitch >= C elements apart (pixel_pitch).
 template <typename T, int K, bool FROM_ROWS, bool FOLD>
 __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                   BothGradientsTile<T, K, FROM_ROWS>::min_blocks())
@@ -274,7 +278,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
                                            PreSource<T> source, T* grad_input,  // may be source.values
                                            float* __restrict__ partials, FoldTarget fold,
                                            InputActivation activation, int C, int H, int W,
-                                           int Ho, int Wo, int grad_chunk, bool vector_stores, TileSpace<3> space,
+                                           int Ho, int Wo, int grad_pitch, int grad_chunk, bool vector_stores,
+                                           TileSpace<3> space,
                                            int items, int tiles_per_block, int chunks) {
   static_assert(!FOLD || (FROM_ROWS && !std::is_same_v<T, float>), "the fold reads the rows on the tensor cores");
   using Tile = BothGradientsTile<T, K, FROM_ROWS>;
@@ -372,7 +377,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
     const int y0 = t.digit[1] * Tile::kOutH, x0 = t.digit[0] * Tile::kOutW;
     dispatch_chunk<T>(grad_chunk, [&](auto width) {
       load_pixel_window<Grad, Tile::kThreads, decltype(width)::value, kLoadUnroll>(
-          tile, grad_output + image * Ho * Wo * C, Ho, Wo, C, y0 + Reach::kMin, x0 + Reach::kMin, c0, tid);
+          tile, grad_output + image * Ho * Wo * grad_pitch, Ho, Wo, C, grad_pitch, y0 + Reach::kMin, x0 + Reach::kMin,
+          c0, tid);
     });
     dispatch_chunk<T>(source.chunk, [&](auto width) {
       constexpr int kWidth = decltype(width)::value;
@@ -539,6 +545,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The distance between a channels-last [N, C, H, W] tensor's pixels: C where
+// it is dense, more where the wide pointwise kernel wrote it over its own
+// input (pointwise_backward_wide.cu).
+int64_t pixel_pitch(const at::Tensor& t) {
+  if (t.is_contiguous(at::MemoryFormat::ChannelsLast)) return t.size(1);
+  const int64_t pitch = t.stride(3);
+  TORCH_INTERNAL_ASSERT(t.stride(1) == 1 && pitch >= t.size(1) && pitch <= std::numeric_limits<int32_t>::max() &&
+                            t.stride(2) == t.size(3) * pitch && t.stride(0) == t.size(2) * t.size(3) * pitch,
+                        "a channels-last tensor with its pixels a fixed pitch apart");
+  return pitch;
+}
+
 template <typename T, int K, bool FROM_ROWS>
 void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const PreSource<T>& source,
                  Activation activation, T* grad_input, float* partials, const FoldTarget& fold,
@@ -550,12 +568,13 @@ void launch_both(const at::Tensor& grad_output, const at::Tensor& weight, const 
   allow_shared_bytes(kernel, Tile::kSharedBytes);
   const TileSpace<3> space = tile_space<3>({split.tiles_x, split.tiles_y, p.N}, 1);
   const bool vector_stores = grad_input != nullptr && vector_width<T>(Tile::kLane, p.C, {grad_input}) == Tile::kLane;
+  const int64_t pitch = pixel_pitch(grad_output);
   kernel<<<dim3(grid_x(split.chunks), grid_y(slabs, "channel slabs")), Tile::kThreads, Tile::kSharedBytes,
            stream>>>(grad_output.const_data_ptr<T>(), weight.const_data_ptr<T>(), source, grad_input, partials, fold,
                      InputActivation{activation, activation_form<T>(activation)}, static_cast<int>(p.C),
                      static_cast<int>(p.H),
-                     static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo),
-                     chunk_width<T>(p.C, grad_output.const_data_ptr()), vector_stores, space,
+                     static_cast<int>(p.W), static_cast<int>(p.Ho), static_cast<int>(p.Wo), static_cast<int>(pitch),
+                     chunk_width<T>(std::gcd(p.C, pitch), grad_output.const_data_ptr()), vector_stores, space,
                      static_cast<int>(split.items), split.tiles_per_block, static_cast<int>(split.chunks));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -567,9 +586,38 @@ struct OnePassGrads {
   PointwiseGrads folded;
 };
 
+// Whether the kernel covers problem p in `dtype`, pre read as values
+// (FROM_ROWS: computed from rows) on the current device.
+template <bool FROM_ROWS>
+bool covers(const DepthwiseProblem& p, at::ScalarType dtype) {
+  if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return false;
+  bool covered = false;
+  LUMENBRIDGE_DISPATCH_CUDA_TYPES(dtype, "lumenbridge_depthwise_backward_both", [&] {
+    dispatch_kernel_size(p.K, [&](auto k) {
+      using Tile = BothGradientsTile<scalar_t, decltype(k)::value, FROM_ROWS>;
+      if constexpr (Tile::kCovered) covered = Tile::kBlockBytes <= max_shared_bytes_per_block();
+    });
+  });
+  return covered;
+}
+
+// The fold's output g_d [N, cin, H, W] (contiguous) over the memory of
+// grad_output, which it has read by then, where nothing else holds that
+// memory and it is large enough; else new.
+at::Tensor fold_output(const at::Tensor& grad_output, int64_t cin, const DepthwiseProblem& p) {
+  const std::vector<int64_t> sizes{p.N, cin, p.H, p.W};
+  const int64_t count = p.N * cin * p.H * p.W;
+  if (!sole_reference(grad_output) ||
+      static_cast<size_t>(count) * grad_output.element_size() > grad_output.storage().nbytes()) {
+    return new_output(sizes, grad_output.options(), at::MemoryFormat::Contiguous);
+  }
+  return grad_output.as_strided(sizes, {cin * p.H * p.W, p.H * p.W, p.W, 1}, 0);
+}
+
 // Both gradients in one pass where the kernel covers the problem, pre read
 // from `values` (FROM_ROWS: computed from the rows `values` and `pointwise`;
-// with `fold`, also that narrow stage's pointwise backward; with
+// with `fold`, also that narrow stage's pointwise backward, its g_d written
+// over grad_output where that is grad_output's only reference; with
 // `overwrite_values`, the gradient written over pre); nullopt elsewhere.
 template <bool FROM_ROWS>
 std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Tensor& weight,
@@ -577,16 +625,15 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                                      const DepthwiseProblem& p, Activation activation, bool fold,
                                      bool overwrite_values = false) {
   if constexpr (!FROM_ROWS) TORCH_INTERNAL_ASSERT(!fold, "the fold reads the rows");
-  if (p.stride != 2 || p.layout != Layout::NHWC || p.N * p.H * p.W * p.C == 0) return std::nullopt;
+  const c10::cuda::CUDAGuard guard(values.device());
+  if (!covers<FROM_ROWS>(p, grad_output.scalar_type())) return std::nullopt;
   // The fold: half types (the tensor cores), an image's g_d planes in 32-bit offsets.
   const int64_t cin = FROM_ROWS ? pointwise.size(1) - 1 : 0;
   if (fold && (grad_output.scalar_type() == at::kFloat || cin * p.H * p.W > std::numeric_limits<int32_t>::max())) {
     return std::nullopt;
   }
   check_extents_fit_int(p);
-  const c10::cuda::CUDAGuard guard(values.device());
-  TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}) &&
-                        grad_output.is_contiguous(at::MemoryFormat::ChannelsLast));
+  TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({p.N, p.C, p.Ho, p.Wo}));
   if constexpr (FROM_ROWS) {
     TORCH_INTERNAL_ASSERT(values.sizes() == at::IntArrayRef({p.N * p.H * p.W, kRowWidth}) && values.is_contiguous() &&
                           pointwise.size(0) == p.C && pointwise.is_contiguous());
@@ -602,7 +649,6 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
       constexpr int K = decltype(k)::value;
       using Tile = BothGradientsTile<T, K, FROM_ROWS>;
       if constexpr (Tile::kCovered) {
-        if (Tile::kBlockBytes > max_shared_bytes_per_block()) return;
         OnePassGrads out;
         const int64_t slabs = ceil_div64(p.C, Tile::kSlab);
         const WorkSplit split = split_work<Tile>(p, slabs, kNhwcBlocks);
@@ -641,7 +687,7 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
                           {out.folded.weight.mutable_data_ptr<T>(), out.folded.bias.mutable_data_ptr<T>(),
                            target.cin, 1},
                           stream);
-          out.folded.grad_depthwise = new_output({p.N, cin, p.H, p.W}, options, at::MemoryFormat::Contiguous);
+          out.folded.grad_depthwise = fold_output(grad_output, cin, p);
           const int64_t count = out.folded.grad_depthwise.numel();
           sum_slab_shares_kernel<T><<<grid_x(ceil_div64(count, 4 * kThreads)), kThreads, 0, stream>>>(
               fold_shares.const_data_ptr<float>(), count, static_cast<int>(slabs),
@@ -657,6 +703,10 @@ std::optional<OnePassGrads> one_pass(const at::Tensor& grad_output, const at::Te
 
 }  // namespace
 
+bool depthwise_backward_in_one_pass(const DepthwiseProblem& p, at::ScalarType dtype) {
+  return covers<false>(p, dtype) && covers<true>(p, dtype);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(const at::Tensor& grad_output,
                                                                           const at::Tensor& weight, at::Tensor pre,
                                                                           const DepthwiseProblem& p,
@@ -665,8 +715,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activated_depthwise_backward(cons
   // one-pass kernel writes the gradient over it: each tile reads its own
   // pixels of pre before it writes their gradient, and no tile reads
   // another's (stage 3's p_2 is 308 MB at B = 256 for lumenbridge-base).
-  const bool overwrite = pre.use_count() == 1 && pre.storage().use_count() == 1 && !pre.requires_grad();
-  if (auto out = one_pass<false>(grad_output, weight, pre, at::Tensor(), p, activation, false, overwrite)) {
+  if (auto out = one_pass<false>(grad_output, weight, pre, at::Tensor(), p, activation, false, sole_reference(pre))) {
     return {out->grad_input, out->grad_weight, out->grad_bias};
   }
   return depthwise_backward_in_two_passes(&activated_depthwise_backward_input, &activated_depthwise_backward_weight,

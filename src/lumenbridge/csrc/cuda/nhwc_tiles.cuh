@@ -102,26 +102,33 @@ __device__ __forceinline__ unsigned chunk_offset(unsigned r, unsigned j, unsigne
 }
 
 // Copies the Window whose top-left pixel is (y0, x0), channels [c0, c0 + 32),
-// of one H x W x C image into `tile`; pixels and channels outside the image
-// are zero-filled.
+// of one H x W image of C channels whose pixels lie `pitch` >= C elements
+// apart into `tile`; pixels and channels outside the image are zero-filled.
 template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename T>
 __device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
-                                                  int H, int W, int C, int y0, int x0, int c0,
+                                                  int H, int W, int C, int pitch, int y0, int x0, int c0,
                                                   int tid) {
   // A row of an image may pass 2^32 elements. The offset is unsigned: it is
   // used only inside the image, where each of its terms is nonnegative, and
   // unsigned products cost fewer instructions than signed 64-bit ones.
-  const uint64_t row_pitch = static_cast<uint64_t>(static_cast<unsigned>(W)) * static_cast<unsigned>(C);
+  const uint64_t row_pitch = static_cast<uint64_t>(static_cast<unsigned>(W)) * static_cast<unsigned>(pitch);
   for_each_own_chunk<Window, THREADS, CHUNK, UNROLL>(tid, [&](unsigned r, unsigned j, unsigned q) {
     const int c = c0 + static_cast<int>(q * CHUNK);
     const int gy = y0 + static_cast<int>(r), gx = x0 + static_cast<int>(j);
     const bool inside = static_cast<unsigned>(gy) < static_cast<unsigned>(H) &&
                         static_cast<unsigned>(gx) < static_cast<unsigned>(W) && c < C;
     const uint64_t offset = static_cast<unsigned>(gy) * row_pitch +
-                            static_cast<uint64_t>(static_cast<unsigned>(gx)) * static_cast<unsigned>(C) +
+                            static_cast<uint64_t>(static_cast<unsigned>(gx)) * static_cast<unsigned>(pitch) +
                             static_cast<unsigned>(c);
     copy_chunk_async<T, CHUNK>(tile + chunk_offset<Window, CHUNK>(r, j, q), image + (inside ? offset : 0), inside);
   });
+}
+
+// The same from a dense image (pixels C elements apart).
+template <typename Window, int THREADS, int CHUNK, int UNROLL = 4, typename T>
+__device__ __forceinline__ void load_pixel_window(T* __restrict__ tile, const T* __restrict__ image,
+                                                  int H, int W, int C, int y0, int x0, int c0, int tid) {
+  load_pixel_window<Window, THREADS, CHUNK, UNROLL>(tile, image, H, W, C, C, y0, x0, c0, tid);
 }
 
 // The activation a depthwise kernel applies to its input tile (the composed

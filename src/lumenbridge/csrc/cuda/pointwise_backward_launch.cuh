@@ -23,7 +23,8 @@ constexpr int kOnePassTileRows = 64;   // consecutive rows of g and d a tile
 constexpr int kOnePassBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
 
 // The kernel's launch, with its parameters: g [M, C], d's rows, W [C, cin];
-// g_d ([N, cin, Ho, Wo] in `grad_depthwise_format`) and the blocks' partial
+// g_d ([N, cin, Ho, Wo]: `grad_depthwise` where given, else new in
+// `grad_depthwise_format`) and the blocks' partial
 // sums [C, chunks, cin + 1]; M, C, cin, then `extent`, the kernel's own (its
 // rows' width, or the pixels of a g_d plane); the tiles, their count, a
 // block's run of them and the number of runs (chunks). `shared` is its
@@ -32,7 +33,8 @@ constexpr int kOnePassBlockRows = 16;  // an mma's M (g_d) or K (weight sums)
 template <typename T, typename Kernel, typename Extent>
 std::optional<PointwiseGrads> launch_one_pass(Kernel kernel, int threads, size_t shared, int64_t target_blocks,
                                               Extent extent,
-                                              at::MemoryFormat grad_depthwise_format, const at::Tensor& grad,
+                                              at::MemoryFormat grad_depthwise_format, at::Tensor grad_depthwise,
+                                              const at::Tensor& grad,
                                               const at::Tensor& rows, const at::Tensor& weight,
                                               const DepthwiseProblem& p) {
   if (shared > max_shared_bytes_per_block()) return std::nullopt;
@@ -46,7 +48,8 @@ std::optional<PointwiseGrads> launch_one_pass(Kernel kernel, int threads, size_t
   const int64_t chunks = ceil_div64(tiles, run);
   const auto options = grad.options();
   PointwiseGrads out;
-  out.grad_depthwise = new_output({p.N, cin, p.Ho, p.Wo}, options, grad_depthwise_format);
+  out.grad_depthwise = grad_depthwise.defined() ? std::move(grad_depthwise)
+                                                : new_output({p.N, cin, p.Ho, p.Wo}, options, grad_depthwise_format);
   out.weight = new_output({C, cin, 1, 1}, options, at::MemoryFormat::Contiguous);
   out.bias = new_output({C}, options, at::MemoryFormat::Contiguous);
   at::Tensor partials = at::empty({C, chunks, cin + 1}, options.dtype(at::kFloat));

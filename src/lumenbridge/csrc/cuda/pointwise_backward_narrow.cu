@@ -171,7 +171,7 @@ bool narrow_kernel_covers(const at::Tensor& grad, const at::Tensor& rows, const 
 
 }  // namespace
 
-PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight,
+PointwiseGrads pointwise_backward(at::Tensor grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters) {
   if (parameters) {
     if (auto wide = pointwise_backward_wide(grad, rows, weight, p)) return std::move(*wide);
@@ -183,11 +183,11 @@ PointwiseGrads pointwise_backward(const at::Tensor& grad, const at::Tensor& rows
       // on the H200, as the NHWC depthwise weight gradients.
       out = launch_one_pass<scalar_t>(pointwise_backward_narrow_kernel<scalar_t>, kThreads,
                                       kStages * narrow_tile_elems(static_cast<int>(grad.size(1))) * sizeof(scalar_t),
-                                      kNhwcBlocks, p.Ho * p.Wo, at::MemoryFormat::Contiguous, grad,
-                                      rows, weight, p);
+                                      kNhwcBlocks, p.Ho * p.Wo, at::MemoryFormat::Contiguous, at::Tensor(),
+                                      grad, rows, weight, p);
     });
   }
-  return out ? std::move(*out) : pointwise_backward_composed(grad, rows, weight, p, parameters);
+  return out ? std::move(*out) : pointwise_backward_composed(std::move(grad), rows, weight, p, parameters);
 }
 
 }  // namespace cuda

@@ -1,7 +1,8 @@
 // The pointwise backward of a wide stage (lumenbridge-base's stage 2: 96 ->
 // 192 channels) in one pass over its output gradient g [M, C] (M = N * h * w
 // pixels, channels-last rows; 308 MB at B = 256):
-//   g_d[m, j] = sum_c g[m, c] W[c, j]            j < Cin, written as rows [M, Cin]
+//   g_d[m, j] = sum_c g[m, c] W[c, j]            j < Cin, written as rows [M, Cin],
+//                                                 or over g's rows (below)
 //   partials of sum_m g[m, c] d[m, j]            j < Cin + 1: the weight, then the
 //                                                 bias from the rows' ones column
 // where d are the stage's depthwise rows [M, depthwise_row_width(Cin)].
@@ -38,6 +39,13 @@
 // strides' products recomputed for each ldmatrix). With the tile's loads as
 // runs of units (below: about 125 instructions a warp, where a cursor over
 // rows and columns with 64-bit addresses took 200), a tile is about 450.
+// Handed g's only reference, the kernel writes g_d over g: row m of g_d into
+// the first Cin elements of g's row m, so g_d's rows lie C elements apart.
+// A tile stores its g_d rows after its g rows reached shared memory (each
+// thread's wait, then the pipeline's barrier), and no other tile reads them:
+// at B = 256 this keeps lumenbridge-base's 147 MiB g_d out of the training
+// step's peak, which was this kernel's launch (benchmarks/NOTES.md).
+#include "../activated_depthwise.h"
 #include "fused_parts.cuh"
 #include "pointwise_backward_launch.cuh"
 
@@ -93,18 +101,25 @@ __host__ __device__ int wide_tile_elems(int C, int row_width) {
   return kTileRows * padded_stride(C) + kTileRows * row_width;
 }
 
+// The widths the kernel takes besides C and Cin: d's rows', and the distance
+// between g_d's rows (Cin, or C where g_d is written over g).
+struct WideWidths {
+  int row_width, grad_depthwise_pitch;
+};
+
 // kWidest: the caller has checked that C and Cin are the widest covered.
 template <typename T, bool kWidest>
 __global__ void __launch_bounds__(kWideThreads, 1)
     pointwise_backward_wide_kernel(const T* __restrict__ grad, const T* __restrict__ rows,
                                    const T* __restrict__ weight, T* __restrict__ grad_depthwise,
-                                   float* __restrict__ partials, int64_t M, int C, int cin, int row_width,
+                                   float* __restrict__ partials, int64_t M, int C, int cin, WideWidths widths,
                                    TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   if constexpr (kWidest) {
     C = kMaxChannels;
     cin = kMaxInChannels;
   }
+  const int row_width = widths.row_width;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // an mma fragment's row group and column pair
   const int matrix = lane / 8, matrix_row = lane % 8;
@@ -183,7 +198,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         // The widest stage has no slots past its tiles: no test there.
         if (!kWidest && first_output_tile + n >= output_tiles) continue;
         const float pair[2] = {gd[n][2 * half], gd[n][2 * half + 1]};
-        store_vec<T, 2>(grad_depthwise + m * cin + (first_output_tile + n) * 8 + 2 * t, from_floats<T, 2>(pair));
+        store_vec<T, 2>(grad_depthwise + m * widths.grad_depthwise_pitch + (first_output_tile + n) * 8 + 2 * t,
+                        from_floats<T, 2>(pair));
       }
     }
   };
@@ -227,13 +243,20 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
                                                       const at::Tensor& weight, const DepthwiseProblem& p) {
   if (p.layout != Layout::NHWC || !wide_kernel_covers(grad, rows, weight, p.C)) return std::nullopt;
   const int C = static_cast<int>(grad.size(1)), cin = static_cast<int>(p.C), row_width = static_cast<int>(rows.size(1));
+  // (Whether the depthwise backward runs in one pass depends on the device's shared memory.)
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const bool over_grad = sole_reference(grad) && depthwise_backward_in_one_pass(p, grad.scalar_type());
+  const at::Tensor grad_depthwise =
+      over_grad ? grad.as_strided({p.N, cin, p.Ho, p.Wo}, {p.Ho * p.Wo * C, 1, p.Wo * C, C}, grad.storage_offset())
+                : at::Tensor();
   std::optional<PointwiseGrads> out;
   LUMENBRIDGE_DISPATCH_HALF_TYPES(grad.scalar_type(), "lumenbridge_pointwise_backward_wide", [&] {
     const size_t shared = (C * padded_stride(cin) + kStages * wide_tile_elems(C, row_width)) * sizeof(scalar_t);
     const auto kernel = C == kMaxChannels && cin == kMaxInChannels ? pointwise_backward_wide_kernel<scalar_t, true>
                                                                    : pointwise_backward_wide_kernel<scalar_t, false>;
-    out = launch_one_pass<scalar_t>(kernel, kWideThreads, shared, kWideBlocks, row_width,
-                                    at::MemoryFormat::ChannelsLast, grad, rows, weight, p);
+    out = launch_one_pass<scalar_t>(kernel, kWideThreads, shared, kWideBlocks,
+                                    WideWidths{row_width, over_grad ? C : cin}, at::MemoryFormat::ChannelsLast,
+                                    grad_depthwise, grad, rows, weight, p);
   });
   return out;
 }

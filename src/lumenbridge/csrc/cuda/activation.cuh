@@ -77,8 +77,9 @@ struct GeluFit {
   static constexpr float kP0 = 7.97528333e-1f, kP1 = 3.69923366e-2f, kP2 = -3.49826470e-4f, kClamp = 25.0f;
 };
 
-// The slope of that fit, in float: with u = x p(z), t = tanh(u) and
+// The fit and its slope at x, in float: with u = x p(z), t = tanh(u) and
 // r = (1 + t) / 2 = 1 / (1 + exp(-2u)),
+//   act(x) = x r,
 //   act'(x) = r + x (1 - t^2) u' / 2 = r + x (2u') r (1 - r),
 //   u' = p0 + 3 p1 z + 5 p2 z^2,
 // as 1 - t^2 = 4 r (1 - r). (Past the clamp 1 - t^2 < 3e-6, so u' there
@@ -89,18 +90,24 @@ struct GeluFit {
 // slope is 0 or 1 there, as ATen's is in float. Near saturation the slope
 // carries r's error (its rounding, and the reciprocal's two ulp) times up
 // to 1 - x (2u'), about 27: a slope error below 5e-6. Two
-// MUFU operations (exp2, reciprocal) against erff's polynomial and expf in
-// ATen's form; within 1.1e-4 of ATen's slope, which the half types'
-// gradient rule does not see (benchmarks/NOTES.md, thirtieth session), but
-// fp32's would.
-__device__ __forceinline__ float gelu_fit_slope(float x) {
+// MUFU operations (exp2, reciprocal) for both, against erff's polynomial
+// and expf in ATen's form; the slope within 1.1e-4 of ATen's, which the half
+// types' gradient rule does not see (benchmarks/NOTES.md, thirtieth
+// session), but fp32's would.
+struct GeluFitPoint {
+  float value, slope;
+};
+
+__device__ __forceinline__ GeluFitPoint gelu_fit_value_and_slope(float x) {
   constexpr float kExponent = -2.0f * 1.4426950408889634f;  // -2 log2(e)
   const float z = fminf(x * x, GeluFit::kClamp);
   const float q = fmaf(fmaf(z, kExponent * GeluFit::kP2, kExponent * GeluFit::kP1), z, kExponent * GeluFit::kP0);
   const float two_du = fmaf(fmaf(z, 10.0f * GeluFit::kP2, 6.0f * GeluFit::kP1), z, 2.0f * GeluFit::kP0);
   const float r = __fdividef(1.0f, 1.0f + exp2_flushed(x * q));
-  return fmaf(x * two_du, fmaf(-r, r, r), r);
+  return {x * r, fmaf(x * two_du, fmaf(-r, r, r), r)};
 }
+
+__device__ __forceinline__ float gelu_fit_slope(float x) { return gelu_fit_value_and_slope(x).slope; }
 
 }  // namespace cuda
 }  // namespace lumenbridge

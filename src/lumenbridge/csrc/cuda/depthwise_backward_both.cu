@@ -82,7 +82,8 @@ struct BothGradientsTile : NhwcLanes {
   // Beside the dynamic buffers: the taps in float, and where FROM_ROWS the
   // pointwise terms (each lane's B operand in half types, pre_terms; in
   // float, the terms), each thread's own slots at its pixels (pre,
-  // computed before the visit; then, in the FOLD instances, the gradient;
+  // computed before the visit; bf16 with GELU, its slopes; then, in the FOLD
+  // instances, the gradient;
   // after the pipeline, the fold's block sums)
   // and, for the fold in half types, g_d's B operand (fold_weights) and the
   // threads' fold constants (fold_lanes).
@@ -432,8 +433,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      // This thread's pre at a pixel (with FOLD, after the stores' scaling,
-      // the gradient).
+      // This thread's pre at a pixel (bf16 with GELU, from x to the scaling,
+      // the slopes: keep_slopes; with FOLD, after the scaling, the gradient).
       const auto own_slot = [&](int py, int px) -> Vec<T, L>& {
         if constexpr (FROM_ROWS) {
           return own_slots[4 * q + 2 * py + px][tid];
@@ -443,11 +444,20 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       };
       // Its value, by copy (through the reference the compiler orders the loads differently).
       const auto pre_at = [&](int py, int px) { return own_slot(py, px); };
+      // bf16 with GELU, x and the slopes at once (keep_slopes); else x
+      // packed here and the slope at the scaling.
+      const bool kept = keeps_slopes<T> && activation.kind == Activation::GELU;
       float x[2][2][L];
 #pragma unroll
       for (int py = 0; py < 2; ++py) {
 #pragma unroll
         for (int px = 0; px < 2; ++px) {
+          if constexpr (keeps_slopes<T>) {
+            if (kept) {
+              keep_slopes<T, L>(own_slot(py, px), x[py][px]);
+              continue;
+            }
+          }
           activate_pixel<T, L>(pre_at(py, px), activation, x[py][px]);
         }
       }
@@ -463,6 +473,13 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
               if (py == 0 && px == 0 && tap == kCentre) sums[K * K][e] += g[e];
             }
           });
+      // The gradient of pre at a pixel: acc times the slope.
+      const auto scaled = [&](int py, int px) {
+        if constexpr (keeps_slopes<T>) {
+          if (kept) return scaled_by_kept_slopes<T, L>(acc[py][px], own_slot(py, px));
+        }
+        return slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind);
+      };
       const int y = 2 * (t.digit[1] * Tile::kOutH + la), xs = 2 * (t.digit[0] * Tile::kOutW + column);
       if constexpr (FOLD) {
         // g into this thread's own slots (zero past the image) for fold_warp.
@@ -471,13 +488,19 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll
           for (int px = 0; px < 2; ++px) {
             const bool inside = y + py < H && xs + px < W;
-            const Vec<T, L> g = slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind);
+            const Vec<T, L> g = scaled(py, px);
             own_slot(py, px) = inside ? g : zero_vec<T, L>();
           }
         }
       } else {
         T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
-        store_quad<true, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, activation.kind, pre_at);
+        Vec<T, L> g[2][2];
+#pragma unroll
+        for (int py = 0; py < 2; ++py) {
+#pragma unroll
+          for (int px = 0; px < 2; ++px) g[py][px] = scaled(py, px);
+        }
+        store_quad_values<T, L>(g, image, y, xs, H, W, C, c, vector_stores);
       }
     }
     if constexpr (FOLD) {

@@ -62,6 +62,41 @@ __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const
   return from_floats<T, L>(x);
 }
 
+// bf16 with GELU: x and the slope from one exponential
+// (gelu_fit_value_and_slope) before the visit, the slopes then kept until the
+// scaling as float16 in the pixel's slot over pre, which nothing reads after
+// x (the one-pass kernel, depthwise_backward_both.cu). float16's 2^-11
+// relative error is below bf16's rounding of the gradient (2^-9) but as large
+// as fp16's own, so fp16 keeps slope_scaled; the slope lies in
+// [-0.129, 1.129], within float16's range.
+template <typename T>
+constexpr bool keeps_slopes = std::is_same_v<T, at::BFloat16>;
+
+// x = act(pre) at one pixel from its slot, whose pre gives way to the slopes.
+template <typename T, int L>
+__device__ __forceinline__ void keep_slopes(Vec<T, L>& slot, float (&x)[L]) {
+  static_assert(keeps_slopes<T> && sizeof(Vec<T, L>) == sizeof(Vec<at::Half, L>), "the slopes fill pre's slot");
+  float pre[L], slope[L];
+  to_floats(slot, pre);
+#pragma unroll
+  for (int e = 0; e < L; ++e) {
+    const GeluFitPoint fit = gelu_fit_value_and_slope(pre[e]);
+    x[e] = fit.value;
+    slope[e] = fit.slope;
+  }
+  *reinterpret_cast<Vec<at::Half, L>*>(&slot) = from_floats<at::Half, L>(slope);
+}
+
+// slope_scaled with the slopes keep_slopes left in the slot.
+template <typename T, int L>
+__device__ __forceinline__ Vec<T, L> scaled_by_kept_slopes(const float (&value)[L], const Vec<T, L>& slot) {
+  float scaled[L];
+  to_floats(*reinterpret_cast<const Vec<at::Half, L>*>(&slot), scaled);
+#pragma unroll
+  for (int e = 0; e < L; ++e) scaled[e] *= value[e];
+  return from_floats<T, L>(scaled);
+}
+
 // Visits every (pixel, tap, grad_output pixel) triple of one quad (a, b),
 // this thread's L channels: term(py, px, t, g) for pixel (2a + py, 2b + px),
 // tap t = i * K + j and g the grad_output values that tap reaches it from

@@ -444,15 +444,18 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       };
       // Its value, by copy (through the reference the compiler orders the loads differently).
       const auto pre_at = [&](int py, int px) { return own_slot(py, px); };
-      // bf16 with GELU, x and the slopes at once (keep_slopes); else x
-      // packed here and the slope at the scaling.
-      const bool kept = keeps_slopes<T> && activation.kind == Activation::GELU;
+      // bf16 with GELU where pre comes from the rows, x and the slopes at
+      // once (keep_slopes); else x packed here and the slope at the scaling.
+      // (Where pre is read, the kept slopes measured slower at stage 3,
+      // +26 us, than they gained at stage 4, -14: benchmarks/NOTES.md.)
+      constexpr bool kKeepsSlopes = keeps_slopes<T> && FROM_ROWS;
+      const bool kept = kKeepsSlopes && activation.kind == Activation::GELU;
       float x[2][2][L];
 #pragma unroll
       for (int py = 0; py < 2; ++py) {
 #pragma unroll
         for (int px = 0; px < 2; ++px) {
-          if constexpr (keeps_slopes<T>) {
+          if constexpr (kKeepsSlopes) {
             if (kept) {
               keep_slopes<T, L>(own_slot(py, px), x[py][px]);
               continue;
@@ -475,7 +478,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
           });
       // The gradient of pre at a pixel: acc times the slope.
       const auto scaled = [&](int py, int px) {
-        if constexpr (keeps_slopes<T>) {
+        if constexpr (kKeepsSlopes) {
           if (kept) return scaled_by_kept_slopes<T, L>(acc[py][px], own_slot(py, px));
         }
         return slope_scaled<T, L>(acc[py][px], pre_at(py, px), activation.kind);
@@ -494,13 +497,17 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
         }
       } else {
         T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
-        Vec<T, L> g[2][2];
+        if constexpr (kKeepsSlopes) {
+          Vec<T, L> g[2][2];
 #pragma unroll
-        for (int py = 0; py < 2; ++py) {
+          for (int py = 0; py < 2; ++py) {
 #pragma unroll
-          for (int px = 0; px < 2; ++px) g[py][px] = scaled(py, px);
+            for (int px = 0; px < 2; ++px) g[py][px] = scaled(py, px);
+          }
+          store_quad_values<T, L>(g, image, y, xs, H, W, C, c, vector_stores);
+        } else {
+          store_quad<true, T, L>(acc, image, y, xs, H, W, C, c, vector_stores, activation.kind, pre_at);
         }
-        store_quad_values<T, L>(g, image, y, xs, H, W, C, c, vector_stores);
       }
     }
     if constexpr (FOLD) {

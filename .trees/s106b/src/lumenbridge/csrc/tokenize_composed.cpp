@@ -1,0 +1,144 @@
+// The tokenizer composed from per-layer kernels: LumenBridge's depthwise
+// kernels for the device, ATen for the pointwise convolutions (cuDNN,
+// honouring PyTorch's TF32 switch; a GEMM or oneDNN on the CPU), activations
+// and norms. It is the CPU implementation of lumenbridge::tokenize and the
+// CUDA one for configurations the fused kernels do not cover; it follows the
+// reference model step by step.
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "tokenize_steps.h"
+
+namespace lumenbridge {
+
+at::Tensor normalized_images(const at::Tensor& images, const TokenizeProblem& p) {
+  at::Tensor x;
+  if (p.uint8_input) {
+    // (x - mean) / std in the parameters' dtype, as the reference model does
+    // it, with the statistics broadcast over the channels: each step one
+    // pass over the whole tensor in its layout, where per-channel views of a
+    // channels-last tensor are strided (fp32 at B = 256 from uint8: 5.68 ms
+    // per channel, 5.44 ms broadcast, 5.20 ms from float). The statistics
+    // are filled in place on the device, each rounded from double to the
+    // dtype as the reference's buffers are: a copy from host memory would
+    // stall the host and is refused while a CUDA graph is being captured.
+    // The subtraction reads the uint8 pixels directly (type promotion
+    // converts them exactly, as the reference's separate conversion does):
+    // on CUDA its kernel converts each pixel as it reads it, a pass fewer; on
+    // the CPU ATen converts first, as before.
+    const at::Tensor both = at::empty({2, p.C}, images.options().dtype(p.dtype));
+    for (int64_t c = 0; c < p.C; ++c) {
+      both[0][c].fill_(p.mean[c]);
+      both[1][c].fill_(p.std[c]);
+    }
+    x = (images - both[0].view({1, p.C, 1, 1})).div_(both[1].view({1, p.C, 1, 1}));
+  } else {
+    x = images.to(p.dtype);
+  }
+  if (p.Hp != p.H || p.Wp != p.W) {
+    // Zero padding after normalization: padded pixels are 0, not `mean`.
+    x = at::constant_pad_nd(x, {0, p.Wp - p.W, 0, p.Hp - p.H});
+  }
+  return dense(x, p.layout);
+}
+
+at::Tensor apply_stage_norm(const at::Tensor& x, const TokenizeStage& stage, const TokenizeProblem& p) {
+  switch (p.stage_norm) {
+    case StageNorm::NONE: return x;
+    case StageNorm::AFFINE:
+      return x * stage.norm_weight.view({1, -1, 1, 1}) + stage.norm_bias.view({1, -1, 1, 1});
+    case StageNorm::LAYERNORM:
+      return at::layer_norm(x.permute({0, 2, 3, 1}), {stage.out_channels}, stage.norm_weight,
+                            stage.norm_bias, p.eps)
+          .permute({0, 3, 1, 2});
+  }
+  return x;
+}
+
+DepthwiseProblem stage_depthwise_problem(const TokenizeProblem& p, size_t stage, Layout layout) {
+  DepthwiseProblem dw;
+  dw.N = p.N;
+  dw.C = p.stages[stage].in_channels;
+  dw.H = stage == 0 ? p.Hp : p.stages[stage - 1].out_h;
+  dw.W = stage == 0 ? p.Wp : p.stages[stage - 1].out_w;
+  dw.K = p.K;
+  dw.stride = p.stages[stage].stride;
+  dw.pad = p.K / 2;
+  dw.Ho = p.stages[stage].out_h;
+  dw.Wo = p.stages[stage].out_w;
+  dw.layout = layout;
+  return dw;
+}
+
+at::Tensor dense(const at::Tensor& x, Layout layout) {
+  return x.contiguous(layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                             : at::MemoryFormat::Contiguous);
+}
+
+namespace {
+
+// cuDNN's / oneDNN's depthwise convolution: faster than LumenBridge's NHWC
+// kernels on the tokenizer's stages (benchmarks/RESULTS.md), so channels-last
+// problems compose with it.
+at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias, const DepthwiseProblem& p) {
+  return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
+}
+
+// The pointwise convolution. On the CPU a plain NCHW input goes through one
+// batched GEMM over the channels: oneDNN's 1x1 convolution of plain NCHW
+// tensors took about twice as long at the presets' stages
+// (benchmarks/NOTES.md, thirty-first session). Elsewhere ATen's convolution.
+at::Tensor pointwise_conv(const at::Tensor& x, const TokenizeStage& stage) {
+  if (!x.is_cpu() || !x.is_contiguous()) return at::conv2d(x, stage.pw_weight, stage.pw_bias);
+  const int64_t n = x.size(0), cin = x.size(1), h = x.size(2), w = x.size(3), cout = stage.out_channels;
+  const at::Tensor weight = stage.pw_weight.view({cout, cin}).expand({n, cout, cin});
+  return at::baddbmm(stage.pw_bias.view({1, cout, 1}), weight, x.view({n, cin, h * w})).view({n, cout, h, w});
+}
+
+}  // namespace
+
+std::vector<int64_t> TokenizeProblem::output_sizes() const {
+  switch (format) {
+    case TokenFormat::NLC: return {N, grid_h() * grid_w(), embed_dim()};
+    case TokenFormat::NHWC: return {N, grid_h(), grid_w(), embed_dim()};
+    case TokenFormat::NCHW: return {N, embed_dim(), grid_h(), grid_w()};
+  }
+  return {};
+}
+
+at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
+                             DepthwiseEntry depthwise) {
+  at::Tensor x = normalized_images(images, p);
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const TokenizeStage& stage = p.stages[i];
+    const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
+    x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, stage_depthwise_problem(p, i, p.layout));
+    x = apply_stage_norm(pointwise_conv(x, stage), stage, p);
+    if (i + 1 < p.stages.size()) activate_(x, p.activation);  // x is this loop's own intermediate
+  }
+  return tokens_from(x, p);
+}
+
+at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p) {
+  at::Tensor tokens = last.permute({0, 2, 3, 1});  // [N, h, w, D]
+  if (p.has_token_norm()) {
+    tokens = at::layer_norm(tokens, {p.embed_dim()}, p.token_norm_weight, p.token_norm_bias, p.eps);
+  }
+  at::Tensor out = new_output(p.output_sizes(), tokens.options(), at::MemoryFormat::Contiguous);
+  switch (p.format) {
+    case TokenFormat::NLC: out.copy_(tokens.reshape({p.N, p.grid_h() * p.grid_w(), p.embed_dim()})); break;
+    case TokenFormat::NHWC: out.copy_(tokens); break;
+    case TokenFormat::NCHW: out.copy_(tokens.permute({0, 3, 1, 2})); break;
+  }
+  return out;
+}
+
+namespace cpu {
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
+  return tokenize_composed(images, p, &cpu::depthwise_forward);
+}
+}  // namespace cpu
+
+}  // namespace lumenbridge

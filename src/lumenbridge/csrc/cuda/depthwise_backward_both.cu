@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       // bf16 with GELU where pre comes from the rows, x and the slopes at
       // once (keep_slopes); else x packed here and the slope at the scaling.
       // (Where pre is read, the kept slopes measured slower at stage 3,
-      // +26 us, than they gained at stage 4, -14: benchmarks/NOTES.md.)
+      // +24 us, than they gained at stage 4, -14: benchmarks/NOTES.md.)
       constexpr bool kKeepsSlopes = keeps_slopes<T> && FROM_ROWS;
       const bool kept = kKeepsSlopes && activation.kind == Activation::GELU;
       float x[2][2][L];

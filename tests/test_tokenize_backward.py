@@ -741,9 +741,10 @@ def test_compiled_training_step_matches_eager(device, native_ops, monkeypatch):
 def test_the_wide_stages_depthwise_gradient_takes_no_memory_of_its_own(device, cuda_kernels):
     """lumenbridge-base's stage 2 (96 -> 192 channels at 56 x 56): the wide
     pointwise kernel writes the depthwise output's gradient g_d over its own
-    input g, and the fold writes its output over g_d, so the training
-    backward never holds g and g_d apart. Its peak above what it held when it
-    began stays below g + g_d (each gradient below it is smaller)."""
+    input g, so the training backward never holds both. Its peak above what
+    it held when it began stays below g + g_d, which it held together before
+    (243 MB at this size). A GPU that gives a block too little shared memory
+    for the wide kernel takes the composed GEMMs, and a g_d of its own."""
     batch, side = 128, 56
     model = VisualTokenizer(seed=0, backend="native").to(device, torch.bfloat16).train()
     images = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8, device=device)
@@ -759,7 +760,12 @@ def test_the_wide_stages_depthwise_gradient_takes_no_memory_of_its_own(device, c
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - held
 
-    backward_peak()  # the first backward also allocates cuBLAS's workspace
+    # The first backward also allocates cuBLAS's workspace.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        backward_peak()
+    if not any("pointwise_backward_wide" in event.name for event in profile.events()):
+        assert torch.cuda.get_device_capability() < (9, 0), "the wide pointwise kernel did not run on a Hopper GPU"
+        pytest.skip("this GPU gives a block too little shared memory for the wide pointwise kernel")
     g = batch * side * side * 192 * 2
     g_d = batch * side * side * 96 * 2
     peak = backward_peak()

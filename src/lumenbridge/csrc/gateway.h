@@ -69,9 +69,8 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
 
 // Whether `t` is the only tensor that refers to its memory, needing no
 // gradient: a kernel handed it (by value, or as its caller's last use) may
-// write over it. Views hold their own references to the memory, so the
-// composed backward runs with autograd's view tracking off (a view would
-// otherwise keep its base alive too).
+// write over it. (The composed backward turns view tracking off for this:
+// tokenize_backward.cpp.)
 bool sole_reference(const at::Tensor& t);
 
 // Kernel entry points. Each allocates its outputs with ATen (in the problem's

@@ -96,10 +96,12 @@ struct TokenizeGradMask {
 // (cuda/pointwise_backward_narrow.cu: output channels a multiple of 16 up
 // to 256), and NHWC stages with up to 96 (a multiple of 8) another
 // (cuda/pointwise_backward_wide.cu: output channels a multiple of 16 up to
-// 192). The gradient is dense, except that the wide kernel, handed g's only
-// reference where the stage's depthwise backward runs in one pass
-// (cuda::depthwise_backward_in_one_pass), writes it over g: channels-last
-// with its pixels Cout elements apart.
+// 192). The gradient is dense, except that the wide kernel (which runs only
+// where the parameters get gradients, so the stage's depthwise backward
+// takes both at once), handed g's only reference where that backward runs
+// in one pass (cuda::depthwise_backward_in_one_pass), writes it over g:
+// channels-last with its pixels Cout elements apart. No other kernel reads
+// such a gradient.
 struct PointwiseGrads {
   at::Tensor grad_depthwise, weight, bias;
 };
@@ -111,7 +113,8 @@ namespace cuda {
 PointwiseGrads pointwise_backward(at::Tensor grad, const at::Tensor& rows, const at::Tensor& weight,
                                   const DepthwiseProblem& p, bool parameters);
 // The wide stages' kernel (above); nullopt where it does not cover the
-// problem.
+// problem. Where `grad` is its memory's only reference (pointwise_backward's
+// own argument), it writes g_d over it.
 std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, const at::Tensor& rows,
                                                       const at::Tensor& weight, const DepthwiseProblem& p);
 }  // namespace cuda

@@ -94,17 +94,16 @@ struct GeluFit {
 // and expf in ATen's form; the slope within 1.1e-4 of ATen's, which the half
 // types' gradient rule does not see (benchmarks/NOTES.md, thirtieth
 // session), but fp32's would.
-struct GeluFitPoint {
-  float value, slope;
-};
-
-__device__ __forceinline__ GeluFitPoint gelu_fit_value_and_slope(float x) {
+__device__ __forceinline__ auto gelu_fit_value_and_slope(float x) {
+  struct GeluFitPoint {
+    float value, slope;
+  };
   constexpr float kExponent = -2.0f * 1.4426950408889634f;  // -2 log2(e)
   const float z = fminf(x * x, GeluFit::kClamp);
   const float q = fmaf(fmaf(z, kExponent * GeluFit::kP2, kExponent * GeluFit::kP1), z, kExponent * GeluFit::kP0);
   const float two_du = fmaf(fmaf(z, 10.0f * GeluFit::kP2, 6.0f * GeluFit::kP1), z, 2.0f * GeluFit::kP0);
   const float r = __fdividef(1.0f, 1.0f + exp2_flushed(x * q));
-  return {x * r, fmaf(x * two_du, fmaf(-r, r, r), r)};
+  return GeluFitPoint{x * r, fmaf(x * two_du, fmaf(-r, r, r), r)};
 }
 
 __device__ __forceinline__ float gelu_fit_slope(float x) { return gelu_fit_value_and_slope(x).slope; }

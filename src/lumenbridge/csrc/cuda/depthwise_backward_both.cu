@@ -12,8 +12,9 @@
 // x[pixel] g[output] to the tap's sum, and every (output, tap) pair whose
 // pixel lies in the image is one such triple (pixels outside it hold x = 0:
 // zero fill, act(0) = 0). So each thread computes x = act(pre) and the slope
-// at its own pixels only, in registers: no halo, no activation pass over the
-// window. The bias sums each output once, at the centre tap (pixel 2a, 2b).
+// at its own pixels only: no halo, no activation pass over the window (x in
+// registers; the slope at the scaling, or, in bf16 with GELU where pre comes
+// from the rows, with x, kept in the pixel's own slot: keep_slopes). The bias sums each output once, at the centre tap (pixel 2a, 2b).
 // The taps come from shared memory, so that registers hold the sums across
 // tiles.
 // The weight sums are deterministic as depthwise_backward_weight.cu's: each
@@ -107,7 +108,7 @@ struct BothGradientsTile : NhwcLanes {
 
 // x = act(pre) at one pixel, this thread's L channels, as the forward's
 // kernels take it: bf16 and fp16 in the packed form (activate_packed), float in
-// ATen's form.
+// ATen's form. (keep_slopes computes x in float instead.)
 template <typename T, int L>
 __device__ __forceinline__ void activate_pixel(const Vec<T, L>& pre, const InputActivation& act, float (&x)[L]) {
   if constexpr (std::is_same_v<T, float>) {
@@ -433,8 +434,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
 #pragma unroll 1
     for (int q = 0; q < R; ++q) {
       const int la = row0 + q;
-      // This thread's pre at a pixel (bf16 with GELU, from x to the scaling,
-      // the slopes: keep_slopes; with FOLD, after the scaling, the gradient).
+      // This thread's pre at a pixel (where the slopes are kept, from x to the
+      // scaling, the slopes; with FOLD, after the scaling, the gradient).
       const auto own_slot = [&](int py, int px) -> Vec<T, L>& {
         if constexpr (FROM_ROWS) {
           return own_slots[4 * q + 2 * py + px][tid];
@@ -498,6 +499,8 @@ __global__ void __launch_bounds__(BothGradientsTile<T, K, FROM_ROWS>::kThreads,
       } else {
         T* const image = grad_input + static_cast<int64_t>(t.digit[2]) * H * W * C + c;
         if constexpr (kKeepsSlopes) {
+          // store_quad's scaling, by `scaled` (store_quad itself keeps the
+          // other instances' SASS as it was: benchmarks/NOTES.md, step 106b).
           Vec<T, L> g[2][2];
 #pragma unroll
           for (int py = 0; py < 2; ++py) {
@@ -633,7 +636,9 @@ bool covers(const DepthwiseProblem& p, at::ScalarType dtype) {
 
 // The fold's output g_d [N, cin, H, W] (contiguous) over the memory of
 // grad_output, which it has read by then, where nothing else holds that
-// memory and it is large enough; else new.
+// memory and it is large enough; else new. (That memory then stays held
+// until g_d is released: at lumenbridge-base's sizes below the fold's own
+// peak.)
 at::Tensor fold_output(const at::Tensor& grad_output, int64_t cin, const DepthwiseProblem& p) {
   const std::vector<int64_t> sizes{p.N, cin, p.H, p.W};
   const int64_t count = p.N * cin * p.H * p.W;

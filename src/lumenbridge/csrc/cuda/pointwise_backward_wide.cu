@@ -110,8 +110,8 @@ struct WideWidths {
 // kWidest: the caller has checked that C and Cin are the widest covered.
 template <typename T, bool kWidest>
 __global__ void __launch_bounds__(kWideThreads, 1)
-    pointwise_backward_wide_kernel(const T* __restrict__ grad, const T* __restrict__ rows,
-                                   const T* __restrict__ weight, T* __restrict__ grad_depthwise,
+    pointwise_backward_wide_kernel(const T* grad, const T* __restrict__ rows,
+                                   const T* __restrict__ weight, T* grad_depthwise,  // may be grad
                                    float* __restrict__ partials, int64_t M, int C, int cin, WideWidths widths,
                                    TileSpace<1> space, int tiles, int tiles_per_block, int chunks) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -246,7 +246,7 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
   // (Whether the depthwise backward runs in one pass depends on the device's shared memory.)
   const c10::cuda::CUDAGuard guard(grad.device());
   const bool over_grad = sole_reference(grad) && depthwise_backward_in_one_pass(p, grad.scalar_type());
-  const at::Tensor grad_depthwise =
+  at::Tensor grad_depthwise =
       over_grad ? grad.as_strided({p.N, cin, p.Ho, p.Wo}, {p.Ho * p.Wo * C, 1, p.Wo * C, C}, grad.storage_offset())
                 : at::Tensor();
   std::optional<PointwiseGrads> out;
@@ -256,7 +256,7 @@ std::optional<PointwiseGrads> pointwise_backward_wide(const at::Tensor& grad, co
                                                                    : pointwise_backward_wide_kernel<scalar_t, false>;
     out = launch_one_pass<scalar_t>(kernel, kWideThreads, shared, kWideBlocks,
                                     WideWidths{row_width, over_grad ? C : cin}, at::MemoryFormat::ChannelsLast,
-                                    grad_depthwise, grad, rows, weight, p);
+                                    std::move(grad_depthwise), grad, rows, weight, p);
   });
   return out;
 }

@@ -65,10 +65,12 @@ __device__ __forceinline__ Vec<T, L> slope_scaled(const float (&value)[L], const
 // bf16 with GELU: x and the slope from one exponential
 // (gelu_fit_value_and_slope) before the visit, the slopes then kept until the
 // scaling as float16 in the pixel's slot over pre, which nothing reads after
-// x (the one-pass kernel, depthwise_backward_both.cu). float16's 2^-11
-// relative error is below bf16's rounding of the gradient (2^-9) but as large
-// as fp16's own, so fp16 keeps slope_scaled; the slope lies in
-// [-0.129, 1.129], within float16's range.
+// x (the one-pass kernel, depthwise_backward_both.cu). x is then the fit in
+// float, not the packed x the forward passed on (nearer the exact GELU).
+// float16's 2^-11 relative error (3e-8 absolute where the slope is
+// subnormal, below pre = -4.5) is below bf16's rounding of the gradient
+// (2^-9) but as large as fp16's own, so fp16 keeps slope_scaled; the slope
+// lies in [-0.129, 1.129], within float16's range.
 template <typename T>
 constexpr bool keeps_slopes = std::is_same_v<T, at::BFloat16>;
 
@@ -80,7 +82,7 @@ __device__ __forceinline__ void keep_slopes(Vec<T, L>& slot, float (&x)[L]) {
   to_floats(slot, pre);
 #pragma unroll
   for (int e = 0; e < L; ++e) {
-    const GeluFitPoint fit = gelu_fit_value_and_slope(pre[e]);
+    const auto fit = gelu_fit_value_and_slope(pre[e]);
     x[e] = fit.value;
     slope[e] = fit.slope;
   }

@@ -14,9 +14,9 @@
 // zero fill, act(0) = 0). So each thread computes x = act(pre) and the slope
 // at its own pixels only: no halo, no activation pass over the window (x in
 // registers; the slope at the scaling, or, in bf16 with GELU where pre comes
-// from the rows, with x, kept in the pixel's own slot: keep_slopes). The bias sums each output once, at the centre tap (pixel 2a, 2b).
-// The taps come from shared memory, so that registers hold the sums across
-// tiles.
+// from the rows, with x, kept in the pixel's own slot: keep_slopes). The
+// bias sums each output once, at the centre tap (pixel 2a, 2b). The taps
+// come from shared memory, so that registers hold the sums across tiles.
 // The weight sums are deterministic as depthwise_backward_weight.cu's: each
 // block takes a fixed run of tiles (weight_partials.cuh) and pass 2 sums the
 // blocks in a fixed order (partial_sums.cuh).

@@ -129,6 +129,30 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
         print(f"{wait:8.1f}  before {name[:100]}")
 
 
+def held_steps(step, steps: int = 20, sleep_cycles: int = 10_000_000) -> None:
+    """Steps timed as in synchronized_steps, but each queued behind a sleep
+    kernel (about 5 ms) that keeps the GPU busy while the host queues the
+    step: the events then time the GPU's work alone, and the difference from
+    a synchronized step's median is the host's share of it (the GPU idle
+    before the first kernel and after the last)."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    synchronized = median_ms(step, repeats=steps)
+    held = statistics.median(times)
+    print(
+        f"step behind a sleep: median {held:.3f} ms against {synchronized:.3f} synchronized: "
+        f"host share {synchronized - held:.3f} ms"
+    )
+
+
 def host_timeline(step, rows: int = 60) -> None:
     """Within one step (a training step, or a forward) under the profiler,
     what the host ran from the step's start until the forward op returned:
@@ -245,6 +269,7 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
             time_steps(step, args.batch)
             synchronized_steps(step)
+            held_steps(step)
             host_timeline(step)
             host_times(model, x, step)
         return

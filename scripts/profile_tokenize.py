@@ -112,11 +112,11 @@ def kernel_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, float, 
     return span, sum(max(wait, 0.0) for wait, _ in waits) / 1000, waits
 
 
-def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
+def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> float:
     """Steps timed one at a time, each synchronized (bench_fused.py's timing,
-    median_ms): the median, and within one such step the GPU's idle time
-    between its first and last kernel, with the largest gaps and the kernel
-    each one preceded."""
+    median_ms): the median (returned, ms), and within one such step the GPU's
+    idle time between its first and last kernel, with the largest gaps and
+    the kernel each one preceded."""
     median = median_ms(step, repeats=steps)
     kernels = step_kernels(step)
     span, idle, waits = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])
@@ -127,14 +127,15 @@ def synchronized_steps(step, steps: int = 20, gaps: int = 8) -> None:
     )
     for wait, name in sorted(waits, reverse=True)[:gaps]:
         print(f"{wait:8.1f}  before {name[:100]}")
+    return median
 
 
-def held_steps(step, steps: int = 20, sleep_cycles: int = 10_000_000) -> None:
+def held_steps(step, synchronized: float, steps: int = 20, sleep_cycles: int = 10_000_000) -> None:
     """Steps timed as in synchronized_steps, but each queued behind a sleep
     kernel (about 5 ms) that keeps the GPU busy while the host queues the
     step: the events then time the GPU's work alone, and the difference from
-    a synchronized step's median is the host's share of it (the GPU idle
-    before the first kernel and after the last)."""
+    `synchronized`, a synchronized step's median (ms), is the host's share of
+    it (the GPU idle before the first kernel and after the last)."""
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -145,7 +146,6 @@ def held_steps(step, steps: int = 20, sleep_cycles: int = 10_000_000) -> None:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    synchronized = median_ms(step, repeats=steps)
     held = statistics.median(times)
     print(
         f"step behind a sleep: median {held:.3f} ms against {synchronized:.3f} synchronized: "
@@ -268,8 +268,7 @@ def main() -> None:
             print(f"== training step, float input, B={args.batch}, 5 steps")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
             time_steps(step, args.batch)
-            synchronized_steps(step)
-            held_steps(step)
+            held_steps(step, synchronized_steps(step))
             host_timeline(step)
             host_times(model, x, step)
         return

@@ -643,6 +643,44 @@ def test_autocast_hands_the_op_16_byte_aligned_parameters(device, native_ops):
     assert all(p.grad.data_ptr() % 16 == 0 for p in model.parameters())
 
 
+def disjoint_views_of_one_buffer(tensors: list[torch.Tensor], alignment: int) -> bool:
+    """Whether the tensors share one storage, none overlapping another, each
+    starting on a multiple of `alignment` bytes."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    return (
+        len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        and all(start % alignment == 0 for start, _ in spans)
+        and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    )
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_parameter_gradients_are_views_of_one_buffer(device, native_ops):
+    """The backward hands autograd the parameters' gradients as views of one
+    buffer, each on a 16-byte boundary, and autograd keeps them as they are:
+    a step's `p.grad = None` then frees one block of memory, not one per
+    parameter. Their values are those of the separate gradients (the
+    gradient tests above)."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    model(torch.randn(2, 3, 32, 32, device=device)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert [g.shape for g in grads] == [p.shape for p in model.parameters()]
+    assert disjoint_views_of_one_buffer(grads, 16)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
+def test_what_the_fused_forward_saves_is_one_allocation(device, cuda_kernels):
+    """tokenize_for_training's saved rows and outputs on the fused path are
+    views of one allocation (one allocation before the first launch where
+    there were seven), each on a 512-byte boundary, none overlapping."""
+    model = VisualTokenizer(seed=0).to(device, torch.bfloat16)
+    args = native.tokenize_arguments(torch.randn(2, 3, 64, 64, device=device, dtype=torch.bfloat16), model)
+    with torch.no_grad():
+        _, rows, outputs = torch.ops.lumenbridge.tokenize_for_training(*args)
+    assert len(rows) + len(outputs) == 7
+    assert disjoint_views_of_one_buffer([*rows, *outputs], 512)
+
+
 # The loss scale of the float16 training tests, the GradScaler's and the float16 model's.
 LOSS_SCALE = 2.0**10
 

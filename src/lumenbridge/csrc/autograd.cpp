@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cast_together.h"
 #include "op_signatures.h"
 #include "tokenize.h"
 
@@ -42,6 +43,26 @@ variable_list numbered_gradients(const TokenizeBackwardResult& grads, size_t sta
   add(token_norm, 2);
   numbered.resize(numbered.size() + 5);  // eps, mean, std, padded_size, output_fmt
   return numbered;
+}
+
+// The parameters' gradients (all of the parameters' one dtype) made views of
+// one buffer (in_one_buffer): the caller's `p.grad = None` or zero_grad then
+// frees one block of memory where it freed one per parameter, on the host's
+// path to the next step's first kernel, and the separate gradients are freed
+// here instead, in the backward, whose host work runs ahead of the GPU.
+void into_one_buffer(TokenizeBackwardResult& grads) {
+  auto& [images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases, token_norm] = grads;
+  std::vector<at::Tensor*> slots;
+  for (auto* list : {&dw_weights, &dw_biases, &pw_weights, &pw_biases, &norm_weights, &norm_biases, &token_norm}) {
+    for (at::Tensor& g : *list) {
+      if (g.defined()) slots.push_back(&g);
+    }
+  }
+  if (slots.empty()) return;
+  std::vector<at::Tensor> separate;
+  for (const at::Tensor* g : slots) separate.push_back(*g);
+  const std::vector<at::Tensor> joined = in_one_buffer(separate, separate.front().scalar_type());
+  for (size_t k = 0; k < slots.size(); ++k) *slots[k] = joined[k];
 }
 
 // The op `name` (tokenize, whose Result is the tokens, or
@@ -132,12 +153,13 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
     const std::vector<c10::SymInt> padded_size = ctx->saved_data["padded_size"].toSymIntVector();
     const std::vector<double> mean = ctx->saved_data["mean"].toDoubleVector();
     const std::vector<double> std = ctx->saved_data["std"].toDoubleVector();
-    const TokenizeBackwardResult computed = typed_op<TokenizeBackwardSignature, kTokenizeBackward>().call(
+    TokenizeBackwardResult computed = typed_op<TokenizeBackwardSignature, kTokenizeBackward>().call(
         grad_tokens, saved[0], dw_weights, dw_biases, pw_weights, pw_biases, strides,
         ctx->saved_data["activation"].toStringRef(), ctx->saved_data["stage_norm"].toStringRef(), norm_weights,
         norm_biases, optional(token_norm_weight), optional(token_norm_bias), ctx->saved_data["eps"].toDouble(),
         mean, std, padded_size, ctx->saved_data["output_fmt"].toStringRef(), saved_rows, kept_outputs,
         {ctx->needs_input_grad(0), parameters_grad});
+    into_one_buffer(computed);
     return numbered_gradients(computed, stages, norms);
   }
 };

@@ -1,55 +1,51 @@
-// Autocast's casts of a tokenize call's parameters as one autograd Function
-// (cast_together.h).
+// Tensors as views of one buffer, and autocast's casts of a tokenize call's
+// parameters made that way as one autograd Function (cast_together.h).
 #include "cast_together.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
 namespace lumenbridge {
+
+// One buffer, its pieces written by one multi-tensor copy (which converts),
+// each shaped as its tensor. The padding between them is left unwritten: no
+// kernel reads it.
+std::vector<at::Tensor> in_one_buffer(at::TensorList tensors, at::ScalarType dtype) {
+  constexpr int64_t kAlign = 16;  // elements: at least 16 bytes in every dtype
+  // Symbolic sizes where a compiler traces the backward (torch.compile, opcheck).
+  std::vector<c10::SymInt> offsets;
+  c10::SymInt total = 0;
+  for (const at::Tensor& t : tensors) {
+    offsets.push_back(total);
+    total = total + (t.sym_numel() + kAlign - 1) / kAlign * kAlign;
+  }
+  const at::Tensor all = at::empty_symint({total}, tensors.front().options().dtype(dtype));
+  // Flat pieces on both sides, so that every pair has the same sizes and strides (the copy's fast path).
+  std::vector<at::Tensor> pieces, sources;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    pieces.push_back(all.narrow_symint(0, offsets[k], tensors[k].sym_numel()));
+    sources.push_back(tensors[k].reshape(-1));
+  }
+  at::_foreach_copy_(pieces, sources);
+  std::vector<at::Tensor> parts;
+  for (size_t k = 0; k < tensors.size(); ++k) parts.push_back(pieces[k].view_symint(tensors[k].sym_sizes()));
+  return parts;
+}
+
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The tensors in `dtype`: one flat copy of them all (one kernel), converted
-// (one more), and views of it shaped as each tensor. Each view starts on a
-// multiple of kAlign elements, since the kernels take their vector paths only
-// for 16-byte-aligned tensors (benchmarks/NOTES.md, twenty-second session).
-// The padding is zeros, not left unset, so that the copy reads no
-// uninitialized memory (compute-sanitizer's initcheck).
-variable_list converted(at::TensorList tensors, at::ScalarType dtype) {
-  constexpr int64_t kAlign = 16;  // elements: at least 16 bytes in every dtype
-  std::vector<at::Tensor> flat;
-  std::vector<int64_t> offsets;
-  int64_t offset = 0;
-  at::Tensor padding;
-  for (const at::Tensor& t : tensors) {
-    offsets.push_back(offset);
-    flat.push_back(t.reshape(-1));
-    const int64_t gap = (kAlign - t.numel() % kAlign) % kAlign;
-    if (gap > 0) {
-      if (!padding.defined()) padding = at::zeros({kAlign}, t.options());
-      flat.push_back(padding.narrow(0, 0, gap));
-    }
-    offset += t.numel() + gap;
-  }
-  const at::Tensor all = at::cat(flat).to(dtype);
-  variable_list parts;
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    parts.push_back(all.narrow(0, offsets[k], tensors[k].numel()).view(tensors[k].sizes()));
-  }
-  return parts;
-}
-
 struct CastTogether : torch::autograd::Function<CastTogether> {
   static variable_list forward(AutogradContext* ctx, at::TensorList tensors, at::ScalarType dtype) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(tensors[0].scalar_type());
-    return converted(tensors, dtype);
+    return in_one_buffer(tensors, dtype);
   }
 
   // The gradients back in the tensors' dtype, as each cast's backward gives them.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result = converted(grads, static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt()));
+    variable_list result = in_one_buffer(grads, static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt()));
     result.emplace_back();  // dtype
     return result;
   }

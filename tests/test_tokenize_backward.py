@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import warnings
 
 import pytest
@@ -650,7 +651,7 @@ def disjoint_views_of_one_buffer(tensors: list[torch.Tensor], alignment: int) ->
     return (
         len({t.untyped_storage().data_ptr() for t in tensors}) == 1
         and all(start % alignment == 0 for start, _ in spans)
-        and all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        and all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     )
 
 

@@ -1414,9 +1414,10 @@ at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, co
 }
 
 // What the fused kernels save for the backward, as views of one allocation:
-// autograd keeps them all until the backward ends, and each allocation
-// (about 5 us of host time on the GPU machines) would come before the call's
-// first launch. Each view starts on a multiple of kSavedAlign elements, as a
+// autograd keeps them all until the backward ends, and each allocation (5-7
+// us of host time under the profiler on the GPU machines, benchmarks/NOTES.md,
+// twenty-sixth session) would come before the call's first launch. Each view
+// starts on a multiple of kSavedAlign elements, at least 512 bytes, as a
 // block of its own would (the caching allocator's blocks are 512-byte aligned).
 SavedForward saved_forward(const TokenizeProblem& p, const at::TensorOptions& options) {
   constexpr int64_t kSavedAlign = 256;

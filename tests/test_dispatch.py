@@ -12,7 +12,7 @@ from conftest import device_params
 
 import lumenbridge
 from lumenbridge import BACKEND_ENV, TokenizerConfig, VisualTokenizer, dispatch, ops
-from lumenbridge.testing import TokenizeCase, float64_model
+from lumenbridge.testing import TokenizeCase, compare_gradients_to_float64, compare_to_float64
 
 SMALL = dataclasses.replace(TokenizerConfig(), embed_dim=32, stage_widths=(8, 16, 16, 32))
 
@@ -159,35 +159,27 @@ def test_separable_conv_matches_two_plain_convolutions(native_ops):
 
 
 @pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_native_tokens_and_gradients_match_the_reference(native_ops, device, memory_format, monkeypatch):
-    """Both backends in float32 against float64: tokens and every gradient
-    within 1e-5 of the tensor's largest magnitude, with weights that keep the
-    activations' scale (PyTorch's default initialization leaves the tokens
-    nearly the biases'). TF32 convolutions (on by default on CUDA, 1e-3
-    relative) are switched off, so both sides compute in full float32, as
-    matmuls do by default."""
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_native_tokens_and_gradients_match_the_reference(native_ops, device, channels_last, monkeypatch):
+    """The native backend in float32 against float64: tokens and every
+    gradient within the tolerance rule, which the reference backend's own
+    float32 error on the same inputs sets. A fixed 1e-5 of each gradient's
+    largest magnitude is not a bound PyTorch keeps: a bias gradient sums
+    thousands of terms that cancel, and CI once measured the reference's
+    stage-0 depthwise bias gradient at 1.7x it. TF32 convolutions (on by
+    default on CUDA, 1e-3 relative) are switched off, so both sides compute
+    in full float32, as matmuls do by default."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    images = torch.randint(0, 256, (2, 3, 48, 64), dtype=torch.uint8, device=device).contiguous(
-        memory_format=memory_format
-    )
-    case = TokenizeCase("dispatch", SMALL)
-    exact = float64_model(case.model())
-    exact.backend = "reference"
-    expected = exact(images.cpu())
-    target = torch.randn_like(expected)
-    (expected * target).sum().backward()
-    for name in ("reference", "native"):
-        model = case.model().to(device)
-        model.backend = name
+    case = TokenizeCase("dispatch", SMALL, batch=2, size=(48, 64), channels_last=channels_last)
+    model = case.model().to(device)
+    model.backend = "native"
+    images = case.images().to(device)
+    with torch.no_grad():
         tokens = model(images)
-        (tokens * target.to(device, torch.float32)).sum().backward()
-        pairs = [("tokens", tokens, expected)] + [
-            (key, p.grad, q.grad) for (key, p), q in zip(model.named_parameters(), exact.parameters(), strict=True)
-        ]
-        for key, got, want in pairs:
-            error = (got.detach().cpu().double() - want.detach()).abs().max().item()
-            assert error <= 1e-5 * want.abs().max().item(), f"{name} {key}: {error:.3g}"
+    reports = {"tokens": compare_to_float64(model, images, tokens, torch.float32)}
+    reports.update(compare_gradients_to_float64(model, images, lambda m, x: m(x), torch.float32, device))
+    failed = {name: report for name, report in reports.items() if not report.ok}
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("device", device_params())

@@ -669,6 +669,23 @@ def test_parameter_gradients_are_views_of_one_buffer(device, native_ops):
     assert disjoint_views_of_one_buffer(grads, 16)
 
 
+@pytest.mark.parametrize("device", device_params())
+def test_autocast_packs_the_gradients_once(device, native_ops):
+    """Under autocast the op gets the parameters' casts, whose backward makes
+    the float32 gradients views of one buffer; the op's backward leaves its
+    low-precision gradients separate rather than packing them first: one
+    multi-tensor copy in the backward, not two."""
+    model = VisualTokenizer(NARROW, seed=0, backend="native").to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        tokens = model(torch.randn(2, 3, 32, 32, device=device))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        tokens.float().sum().backward()
+    assert [event.name for event in profile.events()].count("aten::_foreach_copy_") == 1
+    grads = [p.grad for p in model.parameters()]
+    assert {g.dtype for g in grads} == {torch.float32}
+    assert disjoint_views_of_one_buffer(grads, 16)
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
 def test_what_the_fused_forward_saves_is_one_allocation(device, cuda_kernels):
     """tokenize_for_training's saved rows and outputs on the fused path are

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 
@@ -63,6 +64,17 @@ void into_one_buffer(TokenizeBackwardResult& grads) {
   for (const at::Tensor* g : slots) separate.push_back(*g);
   const std::vector<at::Tensor> joined = in_one_buffer(separate, separate.front().scalar_type());
   for (size_t k = 0; k < slots.size(); ++k) *slots[k] = joined[k];
+}
+
+// Whether every tensor is a leaf (as parameters are, and autocast's casts of
+// them are not): autograd then keeps their gradients as .grad.
+bool all_leaves(std::initializer_list<at::TensorList> lists) {
+  for (at::TensorList list : lists) {
+    for (const at::Tensor& t : list) {
+      if (t.defined() && !t.is_leaf()) return false;
+    }
+  }
+  return true;
 }
 
 // The op `name` (tokenize, whose Result is the tokens, or
@@ -126,6 +138,9 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
     ctx->saved_data["std"] = std.vec();
     ctx->saved_data["padded_size"] = padded_size.vec();
     ctx->saved_data["output_fmt"] = std::string(output_fmt);
+    ctx->saved_data["parameters_are_leaves"] = all_leaves(
+        {dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases, as_list(token_norm_weight),
+         as_list(token_norm_bias)});
     return outputs;
   }
 
@@ -159,7 +174,9 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
         norm_biases, optional(token_norm_weight), optional(token_norm_bias), ctx->saved_data["eps"].toDouble(),
         mean, std, padded_size, ctx->saved_data["output_fmt"].toStringRef(), saved_rows, kept_outputs,
         {ctx->needs_input_grad(0), parameters_grad});
-    into_one_buffer(computed);
+    // Only gradients that autograd keeps as .grad are worth one buffer; a cast's
+    // (autocast's CastTogether) packs its own, and packing here too would copy twice.
+    if (ctx->saved_data["parameters_are_leaves"].toBool()) into_one_buffer(computed);
     return numbered_gradients(computed, stages, norms);
   }
 };

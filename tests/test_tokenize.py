@@ -18,7 +18,15 @@ from conftest import HAS_CUDA
 
 from lumenbridge import TokenizerConfig, VisualTokenizer, native
 from lumenbridge.config import KERNEL_SIZES
-from lumenbridge.testing import BASE, NARROW, compare_to_float64, float64_model, many_tile_cases, tokenize_cases
+from lumenbridge.testing import (
+    BASE,
+    NARROW,
+    TokenizeCase,
+    compare_to_float64,
+    float64_model,
+    many_tile_cases,
+    tokenize_cases,
+)
 
 CASES = tokenize_cases()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -36,6 +44,44 @@ def test_cpu_op_matches_float64_reference(case, poisoned):
     out = run_op(model, images)
     report = compare_to_float64(model, images, out, torch.float32)
     assert torch.isfinite(out).all()
+    assert report.error <= report.floor, report  # 1e-5 of the largest reference value
+
+
+# Batches the CPU op runs in chunks of images: at 224 x 224 the base widths'
+# stage-1 output is 4.8 MB an image in float32.
+CHUNKED_CASES = [
+    dataclasses.replace(case, batch=5, size=(224, 224))
+    for case in CASES
+    if case.name in ("base", "base-float-channels-last", "base-k5-stride-1-second")
+] + [
+    TokenizeCase(
+        "layernorm-silu-nhwc-out",
+        dataclasses.replace(BASE, activation="silu", stage_norm="layernorm", output_fmt="NHWC"),
+        batch=5,
+        size=(221, 203),
+        channels_last=True,
+        dynamic_pad=True,
+    )
+]
+
+
+@pytest.mark.parametrize("threads", [2, 8], ids=["chunks-across-threads", "chunks-in-turn"])
+@pytest.mark.parametrize("case", CHUNKED_CASES, ids=lambda c: c.name)
+def test_cpu_op_runs_a_large_batch_in_chunks(case, threads, poisoned):
+    """Every chunk's tokens land in its own rows: with as many threads as
+    this machine's CPU has (at least as many chunks as threads: each thread
+    takes whole chunks) and with more threads than chunks (the chunks in
+    turn, each op over every thread)."""
+    model = case.model()
+    images = case.images()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_op(model, images)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(out).all()
+    report = compare_to_float64(model, images, out, torch.float32)
     assert report.error <= report.floor, report  # 1e-5 of the largest reference value
 
 

@@ -5,6 +5,10 @@
 // CUDA one for configurations the fused kernels do not cover; it follows the
 // reference model step by step.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <algorithm>
 
 #include <vector>
 
@@ -108,8 +112,10 @@ std::vector<int64_t> TokenizeProblem::output_sizes() const {
   return {};
 }
 
-at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
-                             DepthwiseEntry depthwise) {
+namespace {
+
+// The last stage's normed output [N, D, h, w], stage by stage.
+at::Tensor last_stage_output(const at::Tensor& images, const TokenizeProblem& p, DepthwiseEntry depthwise) {
   at::Tensor x = normalized_images(images, p);
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const TokenizeStage& stage = p.stages[i];
@@ -118,27 +124,84 @@ at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
     x = apply_stage_norm(pointwise_conv(x, stage), stage, p);
     if (i + 1 < p.stages.size()) activate_(x, p.activation);  // x is this loop's own intermediate
   }
-  return tokens_from(x, p);
+  return x;
 }
 
-at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p) {
+// tokens_from written into `out` (contiguous, of p.output_sizes()).
+void write_tokens(const at::Tensor& last, const TokenizeProblem& p, const at::Tensor& out) {
   at::Tensor tokens = last.permute({0, 2, 3, 1});  // [N, h, w, D]
   if (p.has_token_norm()) {
     tokens = at::layer_norm(tokens, {p.embed_dim()}, p.token_norm_weight, p.token_norm_bias, p.eps);
   }
-  at::Tensor out = new_output(p.output_sizes(), tokens.options(), at::MemoryFormat::Contiguous);
   switch (p.format) {
     case TokenFormat::NLC: out.copy_(tokens.reshape({p.N, p.grid_h() * p.grid_w(), p.embed_dim()})); break;
     case TokenFormat::NHWC: out.copy_(tokens); break;
     case TokenFormat::NCHW: out.copy_(tokens.permute({0, 3, 1, 2})); break;
   }
+}
+
+}  // namespace
+
+at::Tensor tokenize_composed(const at::Tensor& images, const TokenizeProblem& p,
+                             DepthwiseEntry depthwise) {
+  return tokens_from(last_stage_output(images, p, depthwise), p);
+}
+
+at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p) {
+  at::Tensor out = new_output(p.output_sizes(), last.options(), at::MemoryFormat::Contiguous);
+  write_tokens(last, p, out);
   return out;
 }
 
 namespace cpu {
-at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
-  return tokenize_composed(images, p, &cpu::depthwise_forward);
+namespace {
+
+// The most bytes of one activation a chunk of images may take. Run whole, a
+// batch's larger activations are blocks that the C library maps afresh on
+// each call (above 32 MB) and faults in page by page, which cost as much as
+// the arithmetic on this project's CPU (benchmarks/NOTES.md, fifty-eighth
+// session); a chunk's blocks are reused from one chunk to the next and stay
+// in the cache.
+constexpr int64_t kChunkBytes = int64_t{8} << 20;
+
+int64_t images_per_chunk(const TokenizeProblem& p) {
+  int64_t largest = p.C * p.Hp * p.Wp;
+  for (const TokenizeStage& stage : p.stages) {
+    largest = std::max(largest, std::max(stage.in_channels, stage.out_channels) * stage.out_h * stage.out_w);
+  }
+  return std::max<int64_t>(1, kChunkBytes / (largest * static_cast<int64_t>(at::elementSize(p.dtype))));
 }
+
+}  // namespace
+
+// Each image's tokens depend on that image alone, so the batch runs in
+// chunks, each chunk's tokens written into its rows of the output.
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
+  const int64_t chunk = images_per_chunk(p);
+  if (chunk >= p.N) return tokenize_composed(images, p, &depthwise_forward);
+  const at::Tensor out =
+      new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
+  const int64_t chunks = (p.N + chunk - 1) / chunk;
+  const at::ThreadLocalState state;  // inference mode, grad mode: for the pool's threads as for this one
+  const auto run = [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t c = begin; c < end; ++c) {
+      TokenizeProblem part = p;
+      const int64_t start = c * chunk;
+      part.N = std::min(chunk, p.N - start);
+      write_tokens(last_stage_output(images.narrow(0, start, part.N), part, &depthwise_forward), part,
+                   out.narrow(0, start, part.N));
+    }
+  };
+  // Chunks a thread where every thread gets one; with fewer, each op spreads over the threads.
+  if (chunks >= at::get_num_threads()) {
+    at::parallel_for(0, chunks, 1, run);
+  } else {
+    run(0, chunks);
+  }
+  return out;
+}
+
 }  // namespace cpu
 
 }  // namespace lumenbridge

@@ -1,7 +1,7 @@
 // The tokenizer composed from per-layer kernels: LumenBridge's depthwise
 // kernels for the device, ATen for the pointwise convolutions (cuDNN,
-// honouring PyTorch's TF32 switch; a GEMM or oneDNN on the CPU), activations
-// and norms. It is the CPU implementation of lumenbridge::tokenize and the
+// honouring PyTorch's TF32 switch; oneDNN on the CPU), activations and
+// norms. It is the CPU implementation of lumenbridge::tokenize and the
 // CUDA one for configurations the fused kernels do not cover; it follows the
 // reference model step by step.
 #include <ATen/ATen.h>
@@ -90,16 +90,6 @@ at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
   return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
 }
 
-// The pointwise convolution. On the CPU a plain NCHW input goes through one
-// batched GEMM over the channels: oneDNN's 1x1 convolution of plain NCHW
-// tensors took about twice as long at the presets' stages
-// (benchmarks/NOTES.md, thirty-first session). Elsewhere ATen's convolution.
-at::Tensor pointwise_conv(const at::Tensor& x, const TokenizeStage& stage) {
-  if (!x.is_cpu() || !x.is_contiguous()) return at::conv2d(x, stage.pw_weight, stage.pw_bias);
-  const int64_t n = x.size(0), cin = x.size(1), h = x.size(2), w = x.size(3), cout = stage.out_channels;
-  const at::Tensor weight = stage.pw_weight.view({cout, cin}).expand({n, cout, cin});
-  return at::baddbmm(stage.pw_bias.view({1, cout, 1}), weight, x.view({n, cin, h * w})).view({n, cout, h, w});
-}
 
 }  // namespace
 
@@ -121,7 +111,7 @@ at::Tensor last_stage_output(const at::Tensor& images, const TokenizeProblem& p,
     const TokenizeStage& stage = p.stages[i];
     const DepthwiseEntry run = p.layout == Layout::NHWC ? &aten_depthwise : depthwise;
     x = run(dense(x, p.layout), stage.dw_weight, stage.dw_bias, stage_depthwise_problem(p, i, p.layout));
-    x = apply_stage_norm(pointwise_conv(x, stage), stage, p);
+    x = apply_stage_norm(at::conv2d(x, stage.pw_weight, stage.pw_bias), stage, p);
     if (i + 1 < p.stages.size()) activate_(x, p.activation);  // x is this loop's own intermediate
   }
   return x;
@@ -174,11 +164,17 @@ int64_t images_per_chunk(const TokenizeProblem& p) {
 
 }  // namespace
 
-// Each image's tokens depend on that image alone, so the batch runs in
-// chunks, each chunk's tokens written into its rows of the output.
-at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
+// Every layout runs channels-last, on ATen's (oneDNN's) depthwise and 1x1
+// convolutions: from NCHW images too, that took 25-45% less time than
+// LumenBridge's NCHW kernels and batched GEMMs (benchmarks/NOTES.md,
+// fifty-eighth session). Each image's tokens depend on that image alone, so
+// the batch runs in chunks, each chunk's tokens written into its rows of the
+// output.
+at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& problem) {
+  TokenizeProblem p = problem;
+  p.layout = Layout::NHWC;
   const int64_t chunk = images_per_chunk(p);
-  if (chunk >= p.N) return tokenize_composed(images, p, &depthwise_forward);
+  if (chunk >= p.N) return tokenize_composed(images, p, &aten_depthwise);
   const at::Tensor out =
       new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
   const int64_t chunks = (p.N + chunk - 1) / chunk;
@@ -189,7 +185,7 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
       TokenizeProblem part = p;
       const int64_t start = c * chunk;
       part.N = std::min(chunk, p.N - start);
-      write_tokens(last_stage_output(images.narrow(0, start, part.N), part, &depthwise_forward), part,
+      write_tokens(last_stage_output(images.narrow(0, start, part.N), part, &aten_depthwise), part,
                    out.narrow(0, start, part.N));
     }
   };

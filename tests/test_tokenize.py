@@ -48,12 +48,15 @@ def test_cpu_op_matches_float64_reference(case, poisoned):
 
 
 # Batches the CPU op runs in chunks of images: at 224 x 224 the base widths'
-# stage-1 output is 4.8 MB an image in float32.
+# stage-1 output is 4.8 MB an image in float32 (a chunk of one image), at
+# 160 x 160 2.5 MB (chunks of up to three: seven images run as 2 + 2 + 2 + 1
+# across two threads, 3 + 3 + 1 in turn).
 CHUNKED_CASES = [
     dataclasses.replace(case, batch=5, size=(224, 224))
     for case in CASES
     if case.name in ("base", "base-float-channels-last", "base-k5-stride-1-second")
 ] + [
+    TokenizeCase("base-160-seven", BASE, batch=7, size=(160, 160)),
     TokenizeCase(
         "layernorm-silu-nhwc-out",
         dataclasses.replace(BASE, activation="silu", stage_norm="layernorm", output_fmt="NHWC"),
@@ -61,17 +64,17 @@ CHUNKED_CASES = [
         size=(221, 203),
         channels_last=True,
         dynamic_pad=True,
-    )
+    ),
 ]
 
 
 @pytest.mark.parametrize("threads", [2, 8], ids=["chunks-across-threads", "chunks-in-turn"])
 @pytest.mark.parametrize("case", CHUNKED_CASES, ids=lambda c: c.name)
 def test_cpu_op_runs_a_large_batch_in_chunks(case, threads, poisoned):
-    """Every chunk's tokens land in its own rows: with as many threads as
-    this machine's CPU has (at least as many chunks as threads: each thread
-    takes whole chunks) and with more threads than chunks (the chunks in
-    turn, each op over every thread)."""
+    """Every chunk's tokens land in its own rows: with 2 threads (at least
+    as many chunks as threads: each thread takes whole chunks) and with 8
+    (more threads than chunks: the chunks in turn, each op over every
+    thread)."""
     model = case.model()
     images = case.images()
     before = torch.get_num_threads()

@@ -176,6 +176,8 @@ struct TokenizeFunction : torch::autograd::Function<TokenizeFunction<name, Resul
         {ctx->needs_input_grad(0), parameters_grad});
     // Only gradients that autograd keeps as .grad are worth one buffer; a cast's
     // (autocast's CastTogether) packs its own, and packing here too would copy twice.
+    // (A compiled region that gets the casts as inputs sees them as leaves and
+    // packs: a copy too many there, not a wrong gradient.)
     if (ctx->saved_data["parameters_are_leaves"].toBool()) into_one_buffer(computed);
     return numbered_gradients(computed, stages, norms);
   }

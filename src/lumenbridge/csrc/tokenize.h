@@ -1,7 +1,8 @@
 // The contract of lumenbridge::tokenize, the whole tokenizer as one op: the
 // gateway (gateway.cpp) validates every argument once and builds a
 // TokenizeProblem; the per-device implementations trust it.
-//   cpu:  composed from the CPU depthwise kernels and ATen (tokenize_composed.cpp)
+//   cpu:  composed from ATen's channels-last convolutions, in chunks of images
+//         (tokenize_composed.cpp)
 //   cuda: the fused stage kernels (cuda/tokenize_fused.cu) where they cover the
 //         problem, else the same composition over the CUDA depthwise kernels.
 // Its backward, lumenbridge::tokenize_backward, is composed on both devices

@@ -1,5 +1,6 @@
-// The tokenizer composed from per-layer kernels: LumenBridge's depthwise
-// kernels for the device, ATen for the pointwise convolutions (cuDNN,
+// The tokenizer composed from per-layer kernels: for NCHW problems
+// LumenBridge's depthwise kernels, for channels-last ones (every CPU problem)
+// ATen's depthwise convolution; ATen for the pointwise convolutions (cuDNN,
 // honouring PyTorch's TF32 switch; oneDNN on the CPU), activations and
 // norms. It is the CPU implementation of lumenbridge::tokenize and the
 // CUDA one for configurations the fused kernels do not cover; it follows the
@@ -9,6 +10,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
+#include <limits>
 
 #include <vector>
 
@@ -90,7 +92,6 @@ at::Tensor aten_depthwise(const at::Tensor& input, const at::Tensor& weight,
   return at::conv2d(input, weight, bias, {p.stride, p.stride}, {p.pad, p.pad}, {1, 1}, p.C);
 }
 
-
 }  // namespace
 
 std::vector<int64_t> TokenizeProblem::output_sizes() const {
@@ -146,12 +147,12 @@ at::Tensor tokens_from(const at::Tensor& last, const TokenizeProblem& p) {
 namespace cpu {
 namespace {
 
-// The most bytes of one activation a chunk of images may take. Run whole, a
-// batch's larger activations are blocks that the C library maps afresh on
-// each call (above 32 MB) and faults in page by page, which cost as much as
-// the arithmetic on this project's CPU (benchmarks/NOTES.md, fifty-eighth
-// session); a chunk's blocks are reused from one chunk to the next and stay
-// in the cache.
+// The most bytes of one activation a chunk of images may take (a chunk holds
+// one image at least). Run whole, a batch's larger activations are blocks
+// that the C library maps afresh on each call (above 32 MB) and faults in
+// page by page, which cost as much as the arithmetic on this project's CPU;
+// a chunk's are a few MB, and the batch took 35-60% less time in chunks
+// (benchmarks/NOTES.md, fifty-eighth session).
 constexpr int64_t kChunkBytes = int64_t{8} << 20;
 
 int64_t images_per_chunk(const TokenizeProblem& p) {
@@ -160,6 +161,22 @@ int64_t images_per_chunk(const TokenizeProblem& p) {
     largest = std::max(largest, std::max(stage.in_channels, stage.out_channels) * stage.out_h * stage.out_w);
   }
   return std::max<int64_t>(1, kChunkBytes / (largest * static_cast<int64_t>(at::elementSize(p.dtype))));
+}
+
+// The chunk of at most `largest` images whose chunks, dealt out whole and in
+// order to `threads` threads (as at::parallel_for does), leave the fewest
+// images on the busiest thread; of those, the largest.
+int64_t balanced_chunk(int64_t images, int64_t largest, int64_t threads) {
+  int64_t best = largest, fewest = std::numeric_limits<int64_t>::max();
+  for (int64_t chunk = largest; chunk >= 1; --chunk) {
+    const int64_t chunks = (images + chunk - 1) / chunk;
+    const int64_t busiest = (chunks + threads - 1) / threads * chunk;
+    if (busiest < fewest) {
+      best = chunk;
+      fewest = busiest;
+    }
+  }
+  return best;
 }
 
 }  // namespace
@@ -173,10 +190,13 @@ int64_t images_per_chunk(const TokenizeProblem& p) {
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& problem) {
   TokenizeProblem p = problem;
   p.layout = Layout::NHWC;
-  const int64_t chunk = images_per_chunk(p);
+  int64_t chunk = images_per_chunk(p);
   if (chunk >= p.N) return tokenize_composed(images, p, &aten_depthwise);
   const at::Tensor out =
       new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
+  const int64_t threads = at::get_num_threads();
+  const bool across_threads = (p.N + chunk - 1) / chunk >= threads;
+  if (across_threads) chunk = balanced_chunk(p.N, chunk, threads);
   const int64_t chunks = (p.N + chunk - 1) / chunk;
   const at::ThreadLocalState state;  // inference mode, grad mode: for the pool's threads as for this one
   const auto run = [&](int64_t begin, int64_t end) {
@@ -189,8 +209,8 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& problem) {
                    out.narrow(0, start, part.N));
     }
   };
-  // Chunks a thread where every thread gets one; with fewer, each op spreads over the threads.
-  if (chunks >= at::get_num_threads()) {
+  // Whole chunks a thread where every thread gets one; with fewer, each op spreads over the threads.
+  if (across_threads) {
     at::parallel_for(0, chunks, 1, run);
   } else {
     run(0, chunks);

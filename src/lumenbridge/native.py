@@ -386,7 +386,10 @@ def _stage_norm_arguments(model) -> tuple[str, list[torch.Tensor], list[torch.Te
 def tokenize_path(device_type: str, cfg, dtype: torch.dtype) -> str:
     """How tokenize runs a configuration on a device: "fused", or "composed: <why>"."""
     if device_type != "cuda":
-        return "composed: ATen's channels-last convolutions, a large batch in chunks of images, one op call"
+        return (
+            "composed, one op call: inference on ATen's channels-last convolutions, a large batch "
+            "in chunks of images; training on the CPU depthwise kernels and GEMMs"
+        )
     norm = "affine" if cfg.stage_norm == "batchnorm" else cfg.stage_norm
     return ops.tokenize_path(dtype, cfg.in_chans, list(cfg.stage_widths), cfg.kernel_size, list(cfg.strides), norm)
 

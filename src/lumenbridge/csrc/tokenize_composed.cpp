@@ -169,8 +169,7 @@ int64_t images_per_chunk(const TokenizeProblem& p) {
 int64_t balanced_chunk(int64_t images, int64_t largest, int64_t threads) {
   int64_t best = largest, fewest = std::numeric_limits<int64_t>::max();
   for (int64_t chunk = largest; chunk >= 1; --chunk) {
-    const int64_t chunks = (images + chunk - 1) / chunk;
-    const int64_t busiest = (chunks + threads - 1) / threads * chunk;
+    const int64_t busiest = at::divup(at::divup(images, chunk), threads) * chunk;
     if (busiest < fewest) {
       best = chunk;
       fewest = busiest;
@@ -195,9 +194,9 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& problem) {
   const at::Tensor out =
       new_output(p.output_sizes(), images.options().dtype(p.dtype), at::MemoryFormat::Contiguous);
   const int64_t threads = at::get_num_threads();
-  const bool across_threads = (p.N + chunk - 1) / chunk >= threads;
+  const bool across_threads = at::divup(p.N, chunk) >= threads;
   if (across_threads) chunk = balanced_chunk(p.N, chunk, threads);
-  const int64_t chunks = (p.N + chunk - 1) / chunk;
+  const int64_t chunks = at::divup(p.N, chunk);
   const at::ThreadLocalState state;  // inference mode, grad mode: for the pool's threads as for this one
   const auto run = [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(state);

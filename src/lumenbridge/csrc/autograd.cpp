@@ -54,14 +54,15 @@ variable_list numbered_gradients(const TokenizeBackwardResult& grads, size_t sta
 void into_one_buffer(TokenizeBackwardResult& grads) {
   auto& [images, dw_weights, dw_biases, pw_weights, pw_biases, norm_weights, norm_biases, token_norm] = grads;
   std::vector<at::Tensor*> slots;
+  std::vector<at::Tensor> separate;
   for (auto* list : {&dw_weights, &dw_biases, &pw_weights, &pw_biases, &norm_weights, &norm_biases, &token_norm}) {
     for (at::Tensor& g : *list) {
-      if (g.defined()) slots.push_back(&g);
+      if (!g.defined()) continue;
+      slots.push_back(&g);
+      separate.push_back(g);
     }
   }
   if (slots.empty()) return;
-  std::vector<at::Tensor> separate;
-  for (const at::Tensor* g : slots) separate.push_back(*g);
   const std::vector<at::Tensor> joined = in_one_buffer(separate, separate.front().scalar_type());
   for (size_t k = 0; k < slots.size(); ++k) *slots[k] = joined[k];
 }

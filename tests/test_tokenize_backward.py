@@ -686,19 +686,6 @@ def test_autocast_packs_the_gradients_once(device, native_ops):
     assert disjoint_views_of_one_buffer(grads, 16)
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda_only)])
-def test_what_the_fused_forward_saves_is_one_allocation(device, cuda_kernels):
-    """tokenize_for_training's saved rows and outputs on the fused path are
-    views of one allocation (one allocation before the first launch where
-    there were seven), each on a 512-byte boundary, none overlapping."""
-    model = VisualTokenizer(seed=0).to(device, torch.bfloat16)
-    args = native.tokenize_arguments(torch.randn(2, 3, 64, 64, device=device, dtype=torch.bfloat16), model)
-    with torch.no_grad():
-        _, rows, outputs = torch.ops.lumenbridge.tokenize_for_training(*args)
-    assert len(rows) + len(outputs) == 7
-    assert disjoint_views_of_one_buffer([*rows, *outputs], 512)
-
-
 # The loss scale of the float16 training tests, the GradScaler's and the float16 model's.
 LOSS_SCALE = 2.0**10
 

@@ -1413,42 +1413,6 @@ at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, co
   return result;
 }
 
-// What the fused kernels save for the backward, as views of one allocation:
-// autograd keeps them all until the backward ends, and each allocation (5-7
-// us of host time under the profiler on the GPU machines, benchmarks/NOTES.md,
-// twenty-sixth session) would come before the call's first launch. Each view
-// starts on a multiple of kSavedAlign elements, at least 512 bytes, as a
-// block of its own would (the caching allocator's blocks are 512-byte aligned).
-SavedForward saved_forward(const TokenizeProblem& p, const at::TensorOptions& options) {
-  constexpr int64_t kSavedAlign = 256;
-  std::vector<std::vector<int64_t>> rows, outputs;
-  int64_t total = 0;
-  const auto place = [&total](const std::vector<int64_t>& sizes) {
-    const int64_t offset = total;
-    total += ceil_div64(sizes[0] * sizes[1], kSavedAlign) * kSavedAlign;
-    return offset;
-  };
-  std::vector<int64_t> row_offsets, output_offsets;
-  for (size_t i = 0; i < p.stages.size(); ++i) {
-    rows.push_back(depthwise_rows_sizes(p, i));
-    TORCH_INTERNAL_ASSERT(rows.back()[1] % 8 == 0 && (i > 0 || rows.back()[1] == 8),
-                          "the fused kernels write the rows in 16-byte units, the images' stage's in one");
-    row_offsets.push_back(place(rows.back()));
-    if (SavedForward::saves_output(i, p)) {
-      outputs.push_back(saved_output_sizes(p, i));
-      output_offsets.push_back(place(outputs.back()));
-    }
-  }
-  const at::Tensor buffer = new_output({total}, options, at::MemoryFormat::Contiguous);
-  const auto view = [&buffer](const std::vector<int64_t>& sizes, int64_t offset) {
-    return buffer.narrow(0, offset, sizes[0] * sizes[1]).view(sizes);
-  };
-  SavedForward saved;
-  for (size_t k = 0; k < rows.size(); ++k) saved.rows.push_back(view(rows[k], row_offsets[k]));
-  for (size_t k = 0; k < outputs.size(); ++k) saved.outputs.push_back(view(outputs[k], output_offsets[k]));
-  return saved;
-}
-
 }  // namespace
 
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
@@ -1460,7 +1424,19 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
 TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
   if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
-  const SavedForward saved = saved_forward(p, images.options().dtype(p.dtype));
+  // Each saved tensor is an allocation of its own: an op's outputs may not
+  // share storage (opcheck's fake-tensor check compares their aliasing).
+  const at::TensorOptions options = images.options().dtype(p.dtype);
+  SavedForward saved;
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
+    TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
+                          "the fused kernels write the rows in 16-byte units, the images' stage's in one");
+    saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
+    if (SavedForward::saves_output(i, p)) {
+      saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
+    }
+  }
   at::Tensor tokens = tokenize_fused(images, p, saved);
   return {tokens, saved.rows, saved.outputs};
 }

@@ -229,12 +229,17 @@ def host_times(model, x: torch.Tensor, step=None) -> None:
     the whole step (forward and backward)."""
     args = native.tokenize_arguments(x, model)
     op = torch.ops.lumenbridge.tokenize_for_training if step is not None else torch.ops.lumenbridge.tokenize
+    stage = forward_outputs(model, x)[0]
     parts = {
         "the model's checks and backend choice": lambda: (
             model._check_images(x),
             select_backend(x.device, model.backend, channels_last=is_channels_last(x)),
         ),
         "the forward's outputs allocated alone": lambda: forward_outputs(model, x),
+        # One allocation and one launch alone, against the op's first ones in
+        # host_timeline (which cost several times its later ones there).
+        "one stage output allocated alone": lambda: torch.empty(stage.shape, device=stage.device, dtype=stage.dtype),
+        "one launch of a sleeping kernel": lambda: torch.cuda._sleep(1),
         "tokenize_arguments": lambda: native.tokenize_arguments(x, model),
         "the op alone": lambda: op(*args),
         "the op alone, no autograd": lambda: no_grad_call(op, args),

@@ -1322,12 +1322,28 @@ Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i
   return launch(split_kernel, split_tiles * parts, threads, shared_bytes, a, follows, clustered ? parts : 1);
 }
 
-// The tokens; with `saved` (tokenize_for_training's, or empty) the kernels
-// also write each stage's depthwise rows and the saved stages' outputs
-// before the activation or norm into it. Each output is allocated just before the
-// launch that writes it: a call's first launch waits on the host.
+// What tokenize_for_training saves of stage i, appended to `saved`: its
+// depthwise rows, and its output before the activation or norm where
+// SavedForward::saves_output says so. Each is an allocation of its own: an
+// op's outputs may not share storage (opcheck's fake-tensor check compares
+// their aliasing).
+SavedStage save_stage(SavedForward& saved, const TokenizeProblem& p, size_t i, const at::TensorOptions& options) {
+  const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
+  TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
+                        "the fused kernels write the rows in 16-byte units, the images' stage's in one");
+  saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
+  if (SavedForward::saves_output(i, p)) {
+    saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
+  }
+  return saved.stage(i);
+}
+
+// The tokens; with `saved` (tokenize_for_training's; null for tokenize) the
+// kernels also write into it what save_stage allocates of each stage. Each
+// tensor is allocated just before the launch that writes it: a call's first
+// launch waits on the host, the later ones' allocations overlap the GPU's work.
 template <typename T, int K>
-at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
+at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, SavedForward* saved) {
   const size_t S = p.stages.size();
   const at::TensorOptions options = images.options().dtype(p.dtype);
   auto stage_output = [&](size_t i) {
@@ -1335,11 +1351,13 @@ at::Tensor run_fused(const at::Tensor& images, const TokenizeProblem& p, const S
     const TokenizeStage& s = p.stages[i];
     return at::empty({p.N, s.out_h, s.out_w, s.out_channels}, options);
   };
+  auto stage_saves = [&](size_t i) { return saved == nullptr ? SavedStage{} : save_stage(*saved, p, i, options); };
   at::Tensor x = stage_output(1);
-  Follows follows = launch_first<T, K>(images, p, x, S == 2, saved.stage(0).rows, saved.stage(1));
+  const at::Tensor rows0 = stage_saves(0).rows;
+  Follows follows = launch_first<T, K>(images, p, x, S == 2, rows0, stage_saves(1));
   for (size_t i = 2; i < S; ++i) {
     at::Tensor y = stage_output(i);
-    follows = launch_stage<T, K>(x, p, i, y, i + 1 == S, saved.stage(i), follows);
+    follows = launch_stage<T, K>(x, p, i, y, i + 1 == S, stage_saves(i), follows);
     x = y;
   }
   return x;  // the tokens
@@ -1401,7 +1419,7 @@ bool fused_covers(const TokenizeProblem& p) {
   return true;
 }
 
-at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, const SavedForward& saved) {
+at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, SavedForward* saved) {
   TORCH_CHECK(p.N * p.C * p.H * p.W < (int64_t{1} << 62), "LumenBridge: images too large for the fused kernels, got ",
               text({p.N, p.C, p.H, p.W}));
   at::Tensor result;
@@ -1418,26 +1436,14 @@ at::Tensor tokenize_fused(const at::Tensor& images, const TokenizeProblem& p, co
 at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
   if (!fused_covers(p)) return tokenize_composed(images, p, &cuda::depthwise_forward);
-  return tokenize_fused(images, p, SavedForward{});
+  return tokenize_fused(images, p, nullptr);
 }
 
 TrainingResult tokenize_for_training(const at::Tensor& images, const TokenizeProblem& p) {
   const c10::cuda::CUDAGuard guard(images.device());
   if (!fused_covers(p)) return tokenize_for_training_composed(images, p, backward_kernels());
-  // Each saved tensor is an allocation of its own: an op's outputs may not
-  // share storage (opcheck's fake-tensor check compares their aliasing).
-  const at::TensorOptions options = images.options().dtype(p.dtype);
   SavedForward saved;
-  for (size_t i = 0; i < p.stages.size(); ++i) {
-    const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
-    TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
-                          "the fused kernels write the rows in 16-byte units, the images' stage's in one");
-    saved.rows.push_back(new_output(sizes, options, at::MemoryFormat::Contiguous));
-    if (SavedForward::saves_output(i, p)) {
-      saved.outputs.push_back(new_output(saved_output_sizes(p, i), options, at::MemoryFormat::Contiguous));
-    }
-  }
-  at::Tensor tokens = tokenize_fused(images, p, saved);
+  at::Tensor tokens = tokenize_fused(images, p, &saved);
   return {tokens, saved.rows, saved.outputs};
 }
 

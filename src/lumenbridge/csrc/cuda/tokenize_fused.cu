@@ -1328,6 +1328,7 @@ Follows launch_stage(const at::Tensor& input, const TokenizeProblem& p, size_t i
 // op's outputs may not share storage (opcheck's fake-tensor check compares
 // their aliasing).
 SavedStage save_stage(SavedForward& saved, const TokenizeProblem& p, size_t i, const at::TensorOptions& options) {
+  TORCH_INTERNAL_ASSERT(saved.rows.size() == i, "save_stage takes the stages in order");
   const std::vector<int64_t> sizes = depthwise_rows_sizes(p, i);
   TORCH_INTERNAL_ASSERT(sizes[1] % 8 == 0 && (i > 0 || sizes[1] == 8),
                         "the fused kernels write the rows in 16-byte units, the images' stage's in one");

@@ -341,11 +341,12 @@ constexpr int kBDepth = 2;
 // out_tile[row][n] = A[row] . weight[n] + bias[n] in T for the block's
 // kTileRows rows and the columns of n8 tiles tile_begin .. tile_end - 1:
 // all of them, or with Split a part's (write_tile applies the activation).
-// Each warp takes kNTiles column tiles per pass; each lane's B rows (one per
+// Each warp takes NTiles column tiles per pass (kNTiles, or fewer where a
+// kernel's registers hold fewer accumulators); each lane's B rows (one per
 // column tile) are fixed for a pass, so their addresses and bounds are
 // computed once, and its loads run kBDepth k-groups ahead of the multiplies
 // in a ring of registers.
-template <typename T, bool Vector, bool Split>
+template <typename T, bool Vector, bool Split, int NTiles>
 __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const PointwiseWeight<T>& pw, T* out_tile,
                           int out_stride, int tile_begin, int tile_end) {
   constexpr int kDepth = Vector ? kBDepth + 1 : 1;  // the element path: no ring (rare; registers)
@@ -353,13 +354,13 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
   const int group = lane / 4, quad = lane % 4;
   const int k_groups = k_padded / kChannelGroup;
   const T* a_lane = a_tile + (lane % 16) * a_stride + (lane / 16) * 8;
-  for (int tile0 = tile_begin + warp * kNTiles; tile0 < tile_end; tile0 += warps * kNTiles) {
+  for (int tile0 = tile_begin + warp * NTiles; tile0 < tile_end; tile0 += warps * NTiles) {
     // Element offsets of the lane's B rows (the weight has fewer than 2^31
     // elements: a block's shared memory holds rows of its input and output
     // widths, so neither passes a few thousand).
-    int b_row[kNTiles];
+    int b_row[NTiles];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) b_row[j] = ((tile0 + j) * 8 + group) * pw.in_channels + quad * 8;
+    for (int j = 0; j < NTiles; ++j) b_row[j] = ((tile0 + j) * 8 + group) * pw.in_channels + quad * 8;
     auto load_b = [&](int j, int kg) {
       const int k = kg * kChannelGroup + quad * 8;
       if constexpr (Vector) {
@@ -370,16 +371,16 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         return pw.load_elements((tile0 + j) * 8 + group, k);
       }
     };
-    uint4 ring[kDepth][kNTiles];
+    uint4 ring[kDepth][NTiles];
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, d);  // zeros past K
+      for (int j = 0; j < NTiles; ++j) ring[d][j] = load_b(j, d);  // zeros past K
     }
     // The accumulators start at the bias (columns 2 quad, 2 quad + 1 of each tile).
-    float acc[kRowGroups][kNTiles][4];
+    float acc[kRowGroups][NTiles][4];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
+    for (int j = 0; j < NTiles; ++j) {
       const int n = (tile0 + j) * 8 + 2 * quad;
       const float bias0 = n < pw.out_channels ? static_cast<float>(pw.bias[n]) : 0.0f;
       const float bias1 = n + 1 < pw.out_channels ? static_cast<float>(pw.bias[n + 1]) : 0.0f;
@@ -404,7 +405,7 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
 #pragma unroll
           for (int m = 0; m < kRowGroups; ++m) {
 #pragma unroll
-            for (int j = 0; j < kNTiles; ++j) {
+            for (int j = 0; j < NTiles; ++j) {
               mma_16816<T>(acc[m][j], a[m], step ? ring[d][j].z : ring[d][j].x, step ? ring[d][j].w : ring[d][j].y);
             }
           }
@@ -414,12 +415,12 @@ __device__ void gemm_tile(const T* a_tile, int a_stride, int k_padded, const Poi
         // load (lumenbridge-base's first kernel, a K of three groups, refills nothing).
         if (kg + kDepth < k_groups) {
 #pragma unroll
-          for (int j = 0; j < kNTiles; ++j) ring[d][j] = load_b(j, kg + kDepth);
+          for (int j = 0; j < NTiles; ++j) ring[d][j] = load_b(j, kg + kDepth);
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
+    for (int j = 0; j < NTiles; ++j) {
       const int n = (tile0 + j) * 8 + 2 * quad;
       if (tile0 + j >= tile_end) continue;
 #pragma unroll
@@ -489,8 +490,8 @@ struct RowInfo {
   int64_t pixel[kTileRows];
   float mean[kTileRows];
   float rstd[kTileRows];
-  float part_stats[kMaxColumnParts][2][kTileRows];
   Exchanges exchanges;
+  float part_stats[kMaxColumnParts][2][kTileRows];  // last: a kernel whose tiles never split lends it to A
 };
 
 // Whether a kernel's split tiles run as a thread-block cluster of their

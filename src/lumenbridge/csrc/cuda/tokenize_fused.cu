@@ -26,9 +26,11 @@
 // otherwise recompute) leaves the SM.
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstddef>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "depthwise_forward.cuh"
 #include "fused_parts.cuh"
@@ -72,10 +74,14 @@ size_t out_tile_bytes(int out_channels, size_t elem) {
   return kTileRows * padded_stride(round_up(out_channels, 8)) * elem;
 }
 
-SharedLayout shared_layout(int k_padded, size_t scratch_bytes, int out_channels, size_t elem) {
+size_t a_tile_bytes(int k_padded, size_t elem) { return align16(kTileRows * padded_stride(k_padded) * elem); }
+
+// `splits`: whether the kernel's tiles may split between a cluster's
+// blocks; one whose tiles never do gives RowInfo's part_stats to A.
+SharedLayout shared_layout(int k_padded, size_t scratch_bytes, int out_channels, size_t elem, bool splits) {
   SharedLayout l;
-  l.a_offset = align16(sizeof(RowInfo));
-  l.region_offset = l.a_offset + align16(kTileRows * padded_stride(k_padded) * elem);
+  l.a_offset = align16(splits ? sizeof(RowInfo) : offsetof(RowInfo, part_stats));
+  l.region_offset = l.a_offset + a_tile_bytes(k_padded, elem);
   l.total = l.region_offset + align16(std::max(scratch_bytes, out_tile_bytes(out_channels, elem)));
   return l;
 }
@@ -105,8 +111,9 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
 
 // The GEMM and the epilogue, once a block's A tile is complete (and, for
 // tokenize_for_training, A saved on the way): of all the output columns, or
-// with Split of the block's part of them (the tile's first part saves A).
-template <typename T, bool Split>
+// with Split of the block's part of them (the tile's first part saves A),
+// NTiles column tiles a warp and pass.
+template <typename T, bool Split, int NTiles = kNTiles>
 __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, const StageGemm<T>& s,
                              RowInfo& rows, int part, int clock_kernel) {
   const T* a_tile = reinterpret_cast<const T*>(shared + layout.a_offset);
@@ -119,10 +126,10 @@ __device__ void finish_block(unsigned char* shared, const SharedLayout& layout, 
   const int tile_begin = column0 / 8;
   const int tile_end = ceil_div(Split ? column0 + s.output.columns : s.pw.out_channels, 8);
   if (s.pw.vector) {
-    gemm_tile<T, true, Split>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
+    gemm_tile<T, true, Split, NTiles>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
                               tile_begin, tile_end);
   } else {
-    gemm_tile<T, false, Split>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
+    gemm_tile<T, false, Split, NTiles>(a_tile, padded_stride(s.k_padded), s.k_padded, s.pw, out_tile, out_stride,
                                tile_begin, tile_end);
   }
   __syncthreads();
@@ -548,9 +555,12 @@ struct FirstArgs {
   Divisor win1_w, win0_w;
   ImagePlane plane;  // of each image channel's window
   int s1_stride;
-  // Within the region: the per-tile buffers, then (past the output tile's
-  // reach) the weights and taps every tile of a block uses.
-  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset;
+  // The region holds a tile's image window, then its stage-1 activations
+  // over it, then its output tile. From the shared base: the stage-1 rows
+  // and the stage-1 pointwise weights, which serve a tile until its stage-1
+  // pointwise step (first_geometry puts them in A's place where it can),
+  // then, past the output tile's reach, the taps every tile of a block uses.
+  size_t d1_offset, w1_offset, taps_offset, taps1_offset;
   SharedLayout layout;
 };
 
@@ -809,23 +819,26 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
 // every part loads the image window and runs the stage-1 depthwise step (a
 // few image channels). The weights and taps every tile uses are loaded once
 // per block, not once per tile (ncu: their loads were a sixth of the load
-// phase's stall samples).
-template <typename T, int K, bool Split>
-__global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArgs<T> args) {
+// phase's stall samples), but for the stage-1 pointwise weights (2.3 KB for
+// lumenbridge-base), which are loaded with each tile's image window into
+// room that A takes later. Blocks: the blocks an SM the registers are
+// bounded for (launch_first runs three where their shared memory fits).
+template <typename T, int K, bool Split, int Blocks>
+__global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];
   const StageGemm<T>& s = args.gemm;
   auto& rows = *reinterpret_cast<RowInfo*>(shared);
   T* a_tile = reinterpret_cast<T*>(shared + args.layout.a_offset);
   unsigned char* region = shared + args.layout.region_offset;
-  float* image = reinterpret_cast<float*>(region + args.image_offset);  // [C0][args.plane]
+  float* image = reinterpret_cast<float*>(region);  // [C0][args.plane]
+  T* s1 = reinterpret_cast<T*>(region);             // [win1_h * win1_w][s1_stride], once the image is read
   const int padded_rows = round_up(args.win1_h * args.win1_w.value, 16);
-  T* d1 = reinterpret_cast<T*>(region + args.d1_offset);                // [padded_rows][8]
+  T* d1 = reinterpret_cast<T*>(shared + args.d1_offset);                // [padded_rows][8]
   bool* inside = reinterpret_cast<bool*>(d1 + padded_rows * 8);         // [padded_rows]
-  T* s1 = reinterpret_cast<T*>(region + args.s1_offset);                // [win1_h * win1_w][s1_stride]
-  T* w1 = reinterpret_cast<T*>(region + args.w1_offset);                // [Kp][8], then the bias quads
+  T* w1 = reinterpret_cast<T*>(shared + args.w1_offset);                // [Kp][8], then the bias quads
   float* b1 = reinterpret_cast<float*>(w1 + s.k_padded * 8);
-  T* taps = reinterpret_cast<T*>(region + args.taps_offset);            // [K * K][Kp], then the float bias
-  float* taps1 = reinterpret_cast<float*>(region + args.taps1_offset);  // [kMaxImageChannels][float_tap_row(K)]
+  T* taps = reinterpret_cast<T*>(shared + args.taps_offset);            // [K * K][Kp], then the float bias
+  float* taps1 = reinterpret_cast<float*>(shared + args.taps1_offset);  // [kMaxImageChannels][float_tap_row(K)]
   const int a_stride = padded_stride(s.k_padded);
   const int Kp = s.k_padded;
   constexpr int pad = K / 2;
@@ -844,7 +857,6 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
   phase_mark(clock, kStart);
   let_next_kernel_start();
   if (clustered) join_exchanges(rows.exchanges);
-  load_stage1_weight(args, Kp, w1, b1);
   load_float_taps<T, K>(taps1, args.dw1_weight, args.dw1_bias, args.C0, kMaxImageChannels);
   load_tap_matrix<T, K>(taps, s.dw_weight, s.dw_bias, s.pw.in_channels, Kp);
   phase_mark(clock, kPrologue);
@@ -863,6 +875,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
       const int y = ty + r / kTile, x = tx + r % kTile;
       rows.pixel[r] = y < args.H2 && x < args.W2 ? (n * args.H2 + y) * args.W2 + x : -1;
     }
+    load_stage1_weight(args, Kp, w1, b1);
     if (args.uint8_input) {
       load_image_window<uint8_t, T, K>(args, static_cast<const uint8_t*>(args.images), n, y0_origin, x0_origin,
                                        image);
@@ -895,8 +908,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
                                 (first_group + share) * kRowGroups, part, parts, rows.exchanges);
       phase_mark(clock, kExchange);
     }
-    finish_block<T, Split>(shared, args.layout, s, rows, part, clock);
-    // The next tile's rows and image window overwrite the row table and the output tile.
+    // At three blocks an SM a thread has 80 registers: one column tile a
+    // pass (A read three times where two blocks read it once) keeps the
+    // GEMM's accumulators and its ring of B in them.
+    finish_block<T, Split, Blocks == 2 ? kNTiles : 1>(shared, args.layout, s, rows, part, clock);
+    // The next tile's rows, weights and image window overwrite the row table, A and the output tile.
     __syncthreads();
     phase_mark(clock, kEpilogue);
     // Once this tile's A and statistics are read, the next tile's may overwrite them.
@@ -906,28 +922,43 @@ __global__ void __launch_bounds__(kThreads, 2) fused_first_kernel(const FirstArg
 
 // ---- host side -------------------------------------------------------------------
 
+// A first-kernel block's windows and shared memory (FirstArgs says what
+// each part holds), for tiles that split between a cluster's blocks or not.
 struct FirstGeometry {
   int win1_h, win1_w, win0_h, win0_w, s1_stride;
   ImagePlane plane;
-  size_t image_offset, d1_offset, s1_offset, w1_offset, taps_offset, taps1_offset, scratch;
+  SharedLayout layout;
+  size_t d1_offset, w1_offset, taps_offset, taps1_offset;
 };
 
-FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels,
-                             size_t elem) {
+FirstGeometry first_geometry(int C0, int K, int stride1, int stride2, int k_padded, int out_channels, size_t elem,
+                             bool splits) {
   FirstGeometry g;
   g.win1_h = g.win1_w = stage1_window_side(K, stride2);
   g.win0_h = g.win0_w = image_window_side(K, stride1, stride2);
   g.plane = image_plane(K, stride1, stride2);
   g.s1_stride = padded_stride(k_padded);
   const int win1 = g.win1_h * g.win1_w;
-  g.image_offset = 0;
-  g.d1_offset = align16(sizeof(float) * C0 * g.plane.floats);
-  g.s1_offset = g.d1_offset + align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
-  g.w1_offset =
-      std::max(g.s1_offset + align16(elem * win1 * g.s1_stride), align16(out_tile_bytes(out_channels, elem)));
-  g.taps_offset = g.w1_offset + align16((elem * 8 + 2 * sizeof(float)) * k_padded);
-  g.taps1_offset = g.taps_offset + align16(taps_with_bias_bytes(K, k_padded, elem));
-  g.scratch = g.taps1_offset + align16(float_taps_bytes(K, kMaxImageChannels));
+  const size_t image = align16(sizeof(float) * C0 * g.plane.floats);
+  const size_t s1 = align16(elem * win1 * g.s1_stride);
+  const size_t d1 = align16((elem * 8 + sizeof(bool)) * round_up(win1, 16));
+  const size_t w1 = align16((elem * 8 + 2 * sizeof(float)) * k_padded);
+  // The stage-1 rows and weights are read before the stage-2 depthwise step
+  // writes A, so they can take A's place; not where a tile splits, as the
+  // other parts of its cluster may send their columns of A before this part
+  // has read them. (Saves 7.5 KB for lumenbridge-base: three blocks fit an SM.)
+  const bool in_a = !splits && d1 + w1 <= a_tile_bytes(k_padded, elem);
+  // Offsets within the region: the image window and s1 at its start, then
+  // the stage-1 rows and weights unless in A; the taps past the output tile.
+  const size_t rows_at = std::max(image, s1);
+  const size_t taps_at = std::max(rows_at + (in_a ? 0 : d1 + w1), align16(out_tile_bytes(out_channels, elem)));
+  const size_t taps = align16(taps_with_bias_bytes(K, k_padded, elem));
+  const size_t scratch = taps_at + taps + align16(float_taps_bytes(K, kMaxImageChannels));
+  g.layout = shared_layout(k_padded, scratch, out_channels, elem, splits);
+  g.d1_offset = in_a ? g.layout.a_offset : g.layout.region_offset + rows_at;
+  g.w1_offset = g.d1_offset + d1;
+  g.taps_offset = g.layout.region_offset + taps_at;
+  g.taps1_offset = g.taps_offset + taps;
   return g;
 }
 
@@ -956,10 +987,6 @@ bool planes_fit(const TokenizeProblem& p) {
   return true;
 }
 
-size_t first_shared_bytes(const FirstGeometry& g, int k_padded, int out_channels, size_t elem) {
-  return shared_layout(k_padded, g.scratch, out_channels, elem).total;
-}
-
 // The stage kernel's region: the output tile, then the taps, where that fits
 // a block; else the taps at its start, where the output tile overwrites them.
 struct StageLayout {
@@ -970,11 +997,11 @@ struct StageLayout {
 
 StageLayout stage_layout(int K, int k_padded, int out_channels, size_t elem) {
   const size_t out_tile = out_tile_bytes(out_channels, elem), taps = taps_with_bias_bytes(K, k_padded, elem);
-  const SharedLayout apart = shared_layout(k_padded, out_tile + taps, out_channels, elem);
+  const SharedLayout apart = shared_layout(k_padded, out_tile + taps, out_channels, elem, true);
   if (apart.total + sizeof(RowSource) <= max_shared_bytes_per_block()) {
     return {apart, apart.region_offset + out_tile, false};
   }
-  const SharedLayout shared = shared_layout(k_padded, taps, out_channels, elem);
+  const SharedLayout shared = shared_layout(k_padded, taps, out_channels, elem, true);
   return {shared, shared.region_offset, true};
 }
 
@@ -1202,6 +1229,57 @@ int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g, Kern
   return 1;
 }
 
+// Blocks of `kernel` an SM holds at once with `shared_bytes` each (the
+// runtime's answer, kept per kernel, device and size), with the kernel's
+// shared-memory carve-out at its largest.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) {
+  using Key = std::tuple<const void*, int, int, size_t>;
+  static std::mutex mutex;
+  static std::map<Key, int> answers;
+  const Key key{reinterpret_cast<const void*>(kernel), c10::cuda::current_device(), threads, shared_bytes};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto known = answers.find(key);
+  if (known != answers.end()) return known->second;
+  allow_shared_bytes(kernel, shared_bytes);
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared_bytes));
+  answers.emplace(key, resident);
+  return resident;
+}
+
+// The first kernel for tiles that do not split, and its blocks an SM: the
+// instance whose registers are bounded for three blocks where three fit
+// (compiled for K = 3 alone: wider kernels' windows leave no room for three
+// at any stage width worth it), else the one for two, or one where only
+// one fits.
+template <typename T, int K>
+std::pair<void (*)(FirstArgs<T>), int> whole_first_kernel(size_t shared_bytes) {
+  if constexpr (K == 3) {
+    const auto three = fused_first_kernel<T, K, false, 3>;
+    if (resident_blocks(three, kThreads, shared_bytes) >= 3) return {three, 3};
+  }
+  return {fused_first_kernel<T, K, false, 2>, two_blocks_fit(shared_bytes) ? 2 : 1};
+}
+
+// Sets the windows and shared memory of a first-kernel launch.
+template <typename T>
+void use_geometry(FirstArgs<T>& a, const FirstGeometry& g) {
+  a.win1_h = g.win1_h;
+  a.win1_w = Divisor::of(g.win1_w);
+  a.win0_h = g.win0_h;
+  a.win0_w = Divisor::of(g.win0_w);
+  a.plane = g.plane;
+  a.s1_stride = g.s1_stride;
+  a.layout = g.layout;
+  a.d1_offset = g.d1_offset;
+  a.w1_offset = g.w1_offset;
+  a.taps_offset = g.taps_offset;
+  a.taps1_offset = g.taps1_offset;
+}
+
 // Launches the first kernel; returns how the next stage kernel follows it.
 template <typename T, int K>
 Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Tensor& out, bool last,
@@ -1234,34 +1312,26 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   a.tiles_x = Divisor::of(ceil_div(a.W2, kTile));
   const int64_t tiles = p.N * a.tiles_y.value * a.tiles_x.value;
   a.tiles = static_cast<int>(grid_x(tiles));  // tile indices are ints
-  const FirstGeometry g =
-      first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T));
-  a.win1_h = g.win1_h;
-  a.win1_w = Divisor::of(g.win1_w);
-  a.win0_h = g.win0_h;
-  a.win0_w = Divisor::of(g.win0_w);
-  a.plane = g.plane;
-  a.s1_stride = g.s1_stride;
-  a.image_offset = g.image_offset;
-  a.d1_offset = g.d1_offset;
-  a.w1_offset = g.w1_offset;
-  a.s1_offset = g.s1_offset;
-  a.taps_offset = g.taps_offset;
-  a.taps1_offset = g.taps1_offset;
-  a.layout = shared_layout(a.gemm.k_padded, g.scratch, a.gemm.pw.out_channels, sizeof(T));
-  const int64_t slots = one_wave(two_blocks_fit(a.layout.total) ? 2 : 1);
-  const auto split_kernel = fused_first_kernel<T, K, true>;
-  const int parts = first_kernel_parts(tiles, slots, a.gemm, split_kernel, a.layout.total);
-  if (parts == 1) {
-    return launch(fused_first_kernel<T, K, false>, std::min(tiles, slots), kThreads, a.layout.total, a,
-                  Follows::kAnyWork);
-  }
+  const auto geometry = [&](bool splits) {
+    return first_geometry(a.C0, K, a.stride1, a.stride2, a.gemm.k_padded, a.gemm.pw.out_channels, sizeof(T), splits);
+  };
+  const FirstGeometry whole = geometry(false);
+  use_geometry(a, whole);
+  const auto [kernel, per_sm] = whole_first_kernel<T, K>(whole.layout.total);
+  const int64_t slots = one_wave(per_sm);
+  const FirstGeometry split = geometry(true);
+  const auto split_kernel = fused_first_kernel<T, K, true, 2>;
+  const int parts = split.layout.total <= max_shared_bytes_per_block()
+                        ? first_kernel_parts(tiles, slots, a.gemm, split_kernel, split.layout.total)
+                        : 1;
+  if (parts == 1) return launch(kernel, std::min(tiles, slots), kThreads, whole.layout.total, a, Follows::kAnyWork);
+  use_geometry(a, split);
   split_columns(a.gemm.output, parts);
   // Its blocks fill at most one wave of slots (first_kernel_parts), more
   // blocks than SMs at B = 1 but with slots free for the next kernel's to
   // start in: -0.7 us a forward at B = 1 on the H100 (benchmarks/NOTES.md,
   // step 83), where next_follows would count SMs.
-  launch(split_kernel, tiles * parts, kThreads, a.layout.total, a, Follows::kAnyWork, parts);
+  launch(split_kernel, tiles * parts, kThreads, split.layout.total, a, Follows::kAnyWork, parts);
   return Follows::kFusedKernel;
 }
 
@@ -1386,9 +1456,9 @@ std::string fused_unsupported_reason(at::ScalarType dtype, int64_t in_channels,
     const int k_padded = round_up(static_cast<int>(widths[i - 1]), kChannelGroup);
     const int out_channels = static_cast<int>(widths[i]);
     const size_t bytes =
-        i == 1 ? first_shared_bytes(first_geometry(static_cast<int>(in_channels), K, static_cast<int>(strides[0]),
-                                                   static_cast<int>(strides[1]), k_padded, out_channels, elem),
-                                    k_padded, out_channels, elem)
+        i == 1 ? first_geometry(static_cast<int>(in_channels), K, static_cast<int>(strides[0]),
+                                static_cast<int>(strides[1]), k_padded, out_channels, elem, false)
+                     .layout.total
                : stage_shared_bytes(stage_layout(K, k_padded, out_channels, elem));
     if (bytes > max_shared_bytes_per_block()) {
       return "stage " + text(static_cast<int64_t>(i)) + " (" + text(widths[i - 1]) + " -> " +

@@ -1250,16 +1250,20 @@ int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) {
   return resident;
 }
 
-// The first kernel for tiles that do not split, and its blocks an SM: the
-// instance whose registers are bounded for three blocks where three fit
-// (compiled for K = 3 alone: wider kernels' windows leave no room for three
-// at any stage width worth it), else the one for two, or one where only
-// one fits.
+// The first kernel for tiles that do not split, and its blocks an SM: for
+// tokenize_for_training (`saves`), the instance whose registers are bounded
+// for three blocks where three fit (compiled for K = 3 alone: wider
+// kernels' windows leave no room for three at any stage width worth it);
+// else the one for two, or one where only one fits. Measured on an H100
+// (lumenbridge-base, B = 256, bf16; benchmarks/NOTES.md, step 113): three
+// blocks took the training forward's first kernel from 727.6 to 702.6 us,
+// whose stores of the saved rows they hide, but the inference forward's
+// from 608.4 to 616.5 us (its GEMM reads A three times).
 template <typename T, int K>
-std::pair<void (*)(FirstArgs<T>), int> whole_first_kernel(size_t shared_bytes) {
+std::pair<void (*)(FirstArgs<T>), int> whole_first_kernel(size_t shared_bytes, bool saves) {
   if constexpr (K == 3) {
     const auto three = fused_first_kernel<T, K, false, 3>;
-    if (resident_blocks(three, kThreads, shared_bytes) >= 3) return {three, 3};
+    if (saves && resident_blocks(three, kThreads, shared_bytes) >= 3) return {three, 3};
   }
   return {fused_first_kernel<T, K, false, 2>, two_blocks_fit(shared_bytes) ? 2 : 1};
 }
@@ -1317,7 +1321,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   };
   const FirstGeometry whole = geometry(false);
   use_geometry(a, whole);
-  const auto [kernel, per_sm] = whole_first_kernel<T, K>(whole.layout.total);
+  const auto [kernel, per_sm] = whole_first_kernel<T, K>(whole.layout.total, saved_rows1.defined());
   const int64_t slots = one_wave(per_sm);
   const FirstGeometry split = geometry(true);
   const auto split_kernel = fused_first_kernel<T, K, true, 2>;

@@ -820,9 +820,9 @@ __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* ta
 // few image channels). The weights and taps every tile uses are loaded once
 // per block, not once per tile (ncu: their loads were a sixth of the load
 // phase's stall samples), but for the stage-1 pointwise weights (2.3 KB for
-// lumenbridge-base), which are loaded with each tile's image window into
-// room that A takes later. Blocks: the blocks an SM the registers are
-// bounded for (launch_first runs three where their shared memory fits).
+// lumenbridge-base), which are loaded with each tile's image window, in A's
+// place where first_geometry puts them there. Blocks: the blocks an SM the
+// registers are bounded for (whole_first_kernel says when three run).
 template <typename T, int K, bool Split, int Blocks>
 __global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const FirstArgs<T> args) {
   extern __shared__ __align__(16) unsigned char shared[];

@@ -6,7 +6,7 @@
 # with its own extension cache), then scripts/profile_tokenize.py (this
 # checkout's) runs against each build in turn, PROFILE_ROUNDS times, and a
 # row a tree and round is printed: the LumenBridge kernels' times in launch
-# order and the step's. Logs go to $OUT (default: compare_out/).
+# order and the step's; then a row of its plain host times. Logs go to $OUT (default: compare_out/).
 #   bash scripts/compare_trees.sh TREE [TREE...]   TREE: a commit or a directory
 #   PROFILE_ARGS goes to profile_tokenize.py (e.g. "--batch 8" or "--train");
 #   ROOT is where the trees and their builds go (default: a new temporary
@@ -108,12 +108,29 @@ launch_row() {
 kernel_names() {
   awk "$kernels"' && match($0, /[A-Za-z_0-9]+_kernel<[^(]*/) {printf "  %d %s\n", ++n, substr($0, RSTART, RLENGTH)}' "$1"
 }
+# The log's first list of plain host times (us), a column each: a change of
+# a few us in the op shows only between runs whose bare allocation and bare
+# launch columns agree (the host's state differs between processes).
+host_section='/^host time \(us/ {if (on) exit; on = 1; next} on && !/^ *[0-9.]+  / {exit} on'
+host_row() {
+  awk "$host_section"' {row = row sprintf(" %7.1f", $1)} END {print row}' "$1"
+}
+host_names() {
+  awk "$host_section"' {sub(/^ *[0-9.]+  /, ""); printf "  %d %s\n", ++n, $0}' "$1"
+}
 if [ -n "$profile_rounds" ]; then
   echo "== LumenBridge kernels of 10 us or more, in launch order (us), named from ${names[0]}'s first log:"
   kernel_names "$OUT/profile-${names[0]}-1.log"
   for name in "${names[@]}"; do
     for round in $profile_rounds; do
       printf '%-14s %s\n' "$name r$round" "$(launch_row "$OUT/profile-$name-$round.log")"
+    done
+  done
+  echo "== host times (us), named from ${names[0]}'s first log:"
+  host_names "$OUT/profile-${names[0]}-1.log"
+  for name in "${names[@]}"; do
+    for round in $profile_rounds; do
+      printf '%-14s %s\n' "$name r$round" "$(host_row "$OUT/profile-$name-$round.log")"
     done
   done
 fi

@@ -251,6 +251,12 @@ PROFILE_LIST = """== one training step's kernels, in launch order (us), B=256
    414.2  void lumenbridge::cuda::(anonymous namespace)::depthwise_backward_both_s2_nhwc_kernel<c10::BFloat16, 3, false,
 step: best 3.905 ms, median 3.925 ms (5 runs of 20); GPU time 3.837 ms; peak 1463 MB
      2.5  before void lumenbridge::cuda::sum_partials_kernel<c10::BFloat16>(float const*, long, long, int, lumenbridg
+host time (us, median of 50, GPU idle at each start):
+      5.9  one stage output allocated alone
+    111.5  the op alone
+   1682.3  the training step
+host time (us, median of 50, GPU idle at each start):
+      9.9  a second section, which the row leaves out
 """
 
 
@@ -265,7 +271,17 @@ def test_compare_trees_prints_a_short_row_a_tree_and_round(tmp_path):
         "  2 depthwise_backward_both_s2_nhwc_kernel<c10::BFloat16, 3, false,",
     ]
     row = "   751.1   414.2  | best 3.905 ms, median 3.925 ms (5 runs of 20); GPU time 3.837 ms; peak 1463 MB"
-    assert lines[names + 3 :] == [f"{tree} r{r}".ljust(14) + " " + row for tree in ("main", "step") for r in (1, 2)]
+    host = lines.index("== host times (us), named from main's first log:")
+    assert lines[names + 3 : host] == [
+        f"{tree} r{r}".ljust(14) + " " + row for tree in ("main", "step") for r in (1, 2)
+    ]
+    assert lines[host + 1 : host + 4] == [
+        "  1 one stage output allocated alone",
+        "  2 the op alone",
+        "  3 the training step",
+    ]
+    host_row = "     5.9   111.5  1682.3"
+    assert lines[host + 4 :] == [f"{tree} r{r}".ljust(14) + " " + host_row for tree in ("main", "step") for r in (1, 2)]
 
 
 def test_bench_fused_refuses_a_provider_it_does_not_have():

@@ -118,21 +118,21 @@ host_row() {
 host_names() {
   awk "$host_section"' {sub(/^ *[0-9.]+  /, ""); printf "  %d %s\n", ++n, $0}' "$1"
 }
+# print_rows ROW: a row a tree and round, ROW (a function) of its profile log.
+print_rows() {
+  for name in "${names[@]}"; do
+    for round in $profile_rounds; do
+      printf '%-14s %s\n' "$name r$round" "$("$1" "$OUT/profile-$name-$round.log")"
+    done
+  done
+}
 if [ -n "$profile_rounds" ]; then
   echo "== LumenBridge kernels of 10 us or more, in launch order (us), named from ${names[0]}'s first log:"
   kernel_names "$OUT/profile-${names[0]}-1.log"
-  for name in "${names[@]}"; do
-    for round in $profile_rounds; do
-      printf '%-14s %s\n' "$name r$round" "$(launch_row "$OUT/profile-$name-$round.log")"
-    done
-  done
+  print_rows launch_row
   echo "== host times (us), named from ${names[0]}'s first log:"
   host_names "$OUT/profile-${names[0]}-1.log"
-  for name in "${names[@]}"; do
-    for round in $profile_rounds; do
-      printf '%-14s %s\n' "$name r$round" "$(host_row "$OUT/profile-$name-$round.log")"
-    done
-  done
+  print_rows host_row
 fi
 # in_turns KIND PATTERN COMMAND...: COMMAND on each build, the trees taking
 # turns for BENCH_ROUNDS rounds; prints the lines of each run's log that

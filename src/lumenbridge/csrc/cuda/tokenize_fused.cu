@@ -1157,14 +1157,12 @@ int column_parts(int64_t tiles, int64_t sms, const TileOutput<T>& o, bool wide) 
   return parts;
 }
 
-// Clusters of `parts` blocks of `kernel` that the current device holds at
-// once: 0 where the kernel has no cluster code (compiled_for_sm90); else
-// cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
-// so a wave's worth of blocks in clusters may not all fit). Asked of the
-// runtime once per kernel, device and shape: calls that split (small
-// batches above all) spend most of their time on the host.
-template <typename Kernel>
-int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int parts) {
+// The runtime's answer to `ask` for a launch of `kernel` with `threads`,
+// `shared_bytes` and `parts`, on the current device: asked once per kernel,
+// device and shape and kept (one answer store per `ask`), since calls that
+// split (small batches above all) spend most of their time on the host.
+template <typename Kernel, typename Ask>
+int64_t asked_once(Kernel kernel, int threads, size_t shared_bytes, int parts, Ask ask) {
   using Key = std::tuple<const void*, int, int, size_t, int>;
   static std::mutex mutex;
   static std::map<Key, int64_t> answers;
@@ -1172,14 +1170,26 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int p
   const std::lock_guard<std::mutex> lock(mutex);
   const auto known = answers.find(key);
   if (known != answers.end()) return known->second;
-  int resident = 0;
-  if (compiled_for_sm90(kernel)) {
-    allow_shared_bytes(kernel, shared_bytes);
-    const KernelLaunch clustered(parts, threads, shared_bytes, parts, Follows::kAnyWork);
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
-  }
-  answers.emplace(key, resident);
-  return resident;
+  const int64_t answer = ask();
+  answers.emplace(key, answer);
+  return answer;
+}
+
+// Clusters of `parts` blocks of `kernel` that the current device holds at
+// once: 0 where the kernel has no cluster code (compiled_for_sm90); else
+// cudaOccupancyMaxActiveClusters (a cluster's blocks share one GPC,
+// so a wave's worth of blocks in clusters may not all fit).
+template <typename Kernel>
+int64_t resident_clusters(Kernel kernel, int threads, size_t shared_bytes, int parts) {
+  return asked_once(kernel, threads, shared_bytes, parts, [&]() -> int64_t {
+    int resident = 0;
+    if (compiled_for_sm90(kernel)) {
+      allow_shared_bytes(kernel, shared_bytes);
+      const KernelLaunch clustered(parts, threads, shared_bytes, parts, Follows::kAnyWork);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &clustered.config));
+    }
+    return resident;
+  });
 }
 
 // Where stage i writes: an intermediate NHWC tensor after the activation,
@@ -1229,25 +1239,18 @@ int first_kernel_parts(int64_t tiles, int64_t slots, const StageGemm<T>& g, Kern
   return 1;
 }
 
-// Blocks of `kernel` an SM holds at once with `shared_bytes` each (the
-// runtime's answer, kept per kernel, device and size), with the kernel's
-// shared-memory carve-out at its largest.
+// Blocks of `kernel` an SM holds at once with `shared_bytes` each, with the
+// kernel's shared-memory carve-out at its largest (asked once: asked_once).
 template <typename Kernel>
-int resident_blocks(Kernel kernel, int threads, size_t shared_bytes) {
-  using Key = std::tuple<const void*, int, int, size_t>;
-  static std::mutex mutex;
-  static std::map<Key, int> answers;
-  const Key key{reinterpret_cast<const void*>(kernel), c10::cuda::current_device(), threads, shared_bytes};
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto known = answers.find(key);
-  if (known != answers.end()) return known->second;
-  allow_shared_bytes(kernel, shared_bytes);
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared_bytes));
-  answers.emplace(key, resident);
-  return resident;
+int64_t resident_blocks(Kernel kernel, int threads, size_t shared_bytes) {
+  return asked_once(kernel, threads, shared_bytes, 1, [&]() -> int64_t {
+    allow_shared_bytes(kernel, shared_bytes);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    int resident = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared_bytes));
+    return resident;
+  });
 }
 
 // The first kernel for tiles that do not split, and its blocks an SM: for

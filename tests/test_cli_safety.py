@@ -204,15 +204,21 @@ def test_a_forked_worker_does_not_keep_a_killed_writers_staging_folder(tmp_path)
     folder abandoned, or it stays in DIR after that run."""
     out = tmp_path / "out"
     out.mkdir()
+    # The worker names itself once it runs (past the fork hooks), and only
+    # then is the writer killed: killed earlier, the lock would be checked
+    # while a worker not yet scheduled still holds its copy.
     script = (
         "import os, signal, sys, time\n"
         "from lumenbridge import atomic\n"
         "with atomic.staging_folder(sys.argv[1]):\n"
         "    worker = os.fork()\n"
         "    if worker == 0:\n"
+        "        open(sys.argv[2] + '.part', 'w').write(str(os.getpid()))\n"
+        "        os.replace(sys.argv[2] + '.part', sys.argv[2])\n"
         "        time.sleep(60)\n"
         "        os._exit(0)\n"
-        "    open(sys.argv[2], 'w').write(str(worker))\n"
+        "    while not os.path.exists(sys.argv[2]):\n"
+        "        time.sleep(0.001)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     pid_file = tmp_path / "worker.pid"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -270,6 +271,33 @@ def test_bitwise_deterministic(device, native_ops):
     first = run_op(model, images)
     for _ in range(3):
         assert torch.equal(run_op(model, images), first)
+
+
+FRESH_PROCESS_TOKENS = """
+import torch
+from lumenbridge import VisualTokenizer
+model = VisualTokenizer(seed=0, backend="native").eval()
+images = torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+with torch.inference_mode():
+    first, second = model(images), model(images)
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+print((first - second).abs().max().item())
+"""
+
+
+def test_a_fresh_process_gives_the_tokens_of_a_warm_one(native_ops):
+    """The CPU op's first call in a process, its batch in one-image chunks
+    over two threads, gives the tokens every later call gives. A pool
+    thread's first chunk once saw one thread where the caller saw two, and
+    oneDNN's convolutions then summed in another order: a resumed run's
+    shards differed from the uninterrupted run's by rounding. The thread
+    count comes from the environment, not torch.set_num_threads, which hid it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS_TOKENS], check=False, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) == 0.0, f"the first call's tokens differ from the second's by {done.stdout}"
 
 
 @pytest.mark.parametrize("uint8", [True, False], ids=["uint8", "float"])

@@ -200,6 +200,12 @@ at::Tensor tokenize(const at::Tensor& images, const TokenizeProblem& problem) {
   const at::ThreadLocalState state;  // inference mode, grad mode: for the pool's threads as for this one
   const auto run = [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard guard(state);
+    // A pool thread's first chunk can see one thread where this one sees
+    // `threads` (ATen sets a pool thread's count lazily), and oneDNN's
+    // convolutions block their sums by that count: its images' tokens would
+    // differ by rounding from the same images' on any later call. So it
+    // takes this thread's count first.
+    if (at::get_num_threads() != threads) at::set_num_threads(static_cast<int>(threads));
     for (int64_t c = begin; c < end; ++c) {
       TokenizeProblem part = p;
       const int64_t start = c * chunk;

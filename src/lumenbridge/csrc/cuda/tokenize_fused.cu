@@ -104,7 +104,15 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
     if (pixel < 0) continue;
     const int c0 = at.column * 8;
     uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
-    if (c0 <= cin && cin < c0 + 8) reinterpret_cast<T*>(&chunk)[cin - c0] = T(1.0f);
+    // The one by a select a 32-bit pair: an element chosen by a run-time
+    // index would put the chunk in local memory.
+    const uint32_t one = T(1.0f).x;
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(&chunk);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int half = cin - c0 - 2 * i;  // 0: the pair's low element, 1: its high one
+      pairs[i] = half == 0 ? (pairs[i] & 0xffff0000u) | one : half == 1 ? (pairs[i] & 0xffffu) | one << 16 : pairs[i];
+    }
     *reinterpret_cast<uint4*>(s.saved_rows + pixel * width + c0) = chunk;
   }
 }
@@ -628,13 +636,25 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
 // as the mma's c quads: {b[n], b[n + 1], b[n], b[n + 1]} for each even n.
 template <typename T>
 __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
-  copy_small(
-      Kp * 8, [&](int i) { return __ldg(a.pw1_weight + min(i / 8, a.C1 - 1) * a.C0 + min(i % 8, a.C0 - 1)); },
-      [&](int i, T value) { w1[i] = i / 8 < a.C1 && i % 8 < a.C0 ? value : T(0.0f); });
-  auto channel = [](int i) { return i / 4 * 2 + i % 2; };
-  copy_small(
-      2 * Kp, [&](int i) { return __ldg(a.pw1_bias + min(channel(i), a.C1 - 1)); },
-      [&](int i, T value) { b1[i] = channel(i) < a.C1 ? static_cast<float>(value) : 0.0f; });
+  // A thread an output channel c: its C0 weights as one 16-byte row, and
+  // its bias at c's two places among the quads (element 4 (c / 2) + c % 2
+  // and the one two further). Every load reads an in-bounds address (clamped),
+  // and the values past C0 or C1 are then replaced by zero.
+  for (int c = threadIdx.x; c < Kp; c += kThreads) {
+    const bool live = c < a.C1;
+    const int source = min(c, a.C1 - 1);
+    const T* row = a.pw1_weight + source * a.C0;
+    float weights[8] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxImageChannels; ++k) {
+      const float value = static_cast<float>(__ldg(row + min(k, a.C0 - 1)));
+      weights[k] = live && k < a.C0 ? value : 0.0f;
+    }
+    const float bias = live ? static_cast<float>(__ldg(a.pw1_bias + source)) : 0.0f;
+    *reinterpret_cast<uint4*>(w1 + c * 8) = pack8<T>(weights);  // exact: the values are already in T
+    float* quads = b1 + c / 2 * 4 + c % 2;
+    quads[0] = quads[2] = bias;
+  }
 }
 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
@@ -684,13 +704,15 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
         out[c] = acc;
       }
     }
-    uint4 row = pack8<T>(out);
-    *reinterpret_cast<uint4*>(d1 + q * 8) = row;
+    *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
     constexpr int span = kTile * S2, pad = K / 2;
     if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
-      reinterpret_cast<T*>(&row)[a.C0] = T(1.0f);
+      // The one at column C0 by a select a column: an element of `out` chosen
+      // by a run-time index would put the array in local memory.
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = e == a.C0 ? 1.0f : out[e];
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
-      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = row;
+      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = pack8<T>(out);
     }
   }
 }

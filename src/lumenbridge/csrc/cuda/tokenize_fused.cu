@@ -558,6 +558,7 @@ struct FirstArgs {
   int C1, H1, W1;       // stage-1 outputs
   int H2, W2, tiles;
   Divisor tiles_y, tiles_x;  // tiles per image column and row
+  Divisor part_groups;       // stage 2's input channel groups a block computes of a tile
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win0_h;
   Divisor win1_w, win0_w;
@@ -636,22 +637,23 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
 // as the mma's c quads: {b[n], b[n + 1], b[n], b[n + 1]} for each even n.
 template <typename T>
 __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
-  // A thread an output channel c: its C0 weights as one 16-byte row, and
-  // its bias at c's two places among the quads (element 4 (c / 2) + c % 2
-  // and the one two further). Every load reads an in-bounds address (clamped),
-  // and the values past C0 or C1 are then replaced by zero.
-  for (int c = threadIdx.x; c < Kp; c += kThreads) {
+  // A thread an output channel c: its C0 weights' bits as one 16-byte row,
+  // and its bias at c's two places among the quads (element 4 (c / 2) +
+  // c % 2 and the one two further). Every load reads an in-bounds address
+  // (clamped), and the values past C0 or C1 are then replaced by zero.
+  static_assert(kMaxImageChannels == 4, "a row's weights are its first two 32-bit pairs");
+  for (int c = threadIdx.x; c < Kp; c += blockDim.x) {
     const bool live = c < a.C1;
     const int source = min(c, a.C1 - 1);
-    const T* row = a.pw1_weight + source * a.C0;
-    float weights[8] = {};
+    const auto* row = reinterpret_cast<const uint16_t*>(a.pw1_weight) + source * a.C0;
+    uint32_t bits[kMaxImageChannels];
 #pragma unroll
     for (int k = 0; k < kMaxImageChannels; ++k) {
-      const float value = static_cast<float>(__ldg(row + min(k, a.C0 - 1)));
-      weights[k] = live && k < a.C0 ? value : 0.0f;
+      const uint32_t value = __ldg(row + min(k, a.C0 - 1));
+      bits[k] = live && k < a.C0 ? value : 0u;
     }
     const float bias = live ? static_cast<float>(__ldg(a.pw1_bias + source)) : 0.0f;
-    *reinterpret_cast<uint4*>(w1 + c * 8) = pack8<T>(weights);  // exact: the values are already in T
+    *reinterpret_cast<uint4*>(w1 + c * 8) = make_uint4(bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, 0u, 0u);
     float* quads = b1 + c / 2 * 4 + c % 2;
     quads[0] = quads[2] = bias;
   }
@@ -729,7 +731,7 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
-                                 T* s1, int first_group, int groups) {
+                                 T* s1, int first_group, const Divisor& groups) {
   constexpr int kSteps = kChannelGroup / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
@@ -796,7 +798,7 @@ __device__ __forceinline__ int stage2_column(int g) {
 // channels) items, a lane one pixel of each row and 8 channels.
 template <typename T, int K, int S2>
 __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* taps, T* a_tile, int a_stride, int Kp,
-                                 int first_group, int groups) {
+                                 int first_group, const Divisor& groups) {
   static_assert(kTile == 8, "a tile row is the 8 rows g of a diagonal mma");
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
@@ -871,8 +873,8 @@ __global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const Fir
   // The host splits tiles only as clusters, whose parts divide the groups
   // (first_kernel_parts); compiled without cluster code, each part would
   // compute the whole of A.
-  const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
-  const int first_group = clustered ? part * share : 0;
+  const Divisor& share = clustered ? args.part_groups : s.channel_groups;
+  const int first_group = clustered ? part * share.value : 0;
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
   constexpr int clock = clock_kernel(kFirstKernel, Split);
 
@@ -927,7 +929,7 @@ __global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const Fir
     phase_mark(clock, kDepthwise);
     if constexpr (clustered) {
       exchange_depthwise_shares(a_tile, a_stride, kRowGroups * s.channel_groups.value, first_group * kRowGroups,
-                                (first_group + share) * kRowGroups, part, parts, rows.exchanges);
+                                (first_group + share.value) * kRowGroups, part, parts, rows.exchanges);
       phase_mark(clock, kExchange);
     }
     // At three blocks an SM a thread has 80 registers: one column tile a
@@ -1317,6 +1319,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;
   a.gemm = stage_gemm<T>(s2, tile_output<T>(out, saved.output, s2, last, p), saved.rows);
+  a.part_groups = a.gemm.channel_groups;  // a tile's parts divide them below, where it splits
   a.images = images.data_ptr();
   a.uint8_input = p.uint8_input;
   a.nhwc = p.layout == Layout::NHWC;
@@ -1356,6 +1359,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   if (parts == 1) return launch(kernel, std::min(tiles, slots), kThreads, whole.layout.total, a, Follows::kAnyWork);
   use_geometry(a, split);
   split_columns(a.gemm.output, parts);
+  a.part_groups = Divisor::of(a.gemm.channel_groups.value / parts);
   // Its blocks fill at most one wave of slots (first_kernel_parts), more
   // blocks than SMs at B = 1 but with slots free for the next kernel's to
   // start in: -0.7 us a forward at B = 1 on the H100 (benchmarks/NOTES.md,

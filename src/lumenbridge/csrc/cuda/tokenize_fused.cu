@@ -720,7 +720,7 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 }
 
 // Stage-1 outputs over the window, channel groups first_group ..
-// first_group + groups - 1 (all Kp channels, or a split tile's part's
+// first_group + groups.value - 1 (all Kp channels, or a split tile's part's
 // share): the pointwise step on the tensor cores (one m16n8k8 per 16
 // positions and 8 channels), bias, activation, and zero outside the stage-1
 // extent (stage 2's padding). Warps take (16 positions, 32 channels) items.
@@ -793,7 +793,7 @@ __device__ __forceinline__ int stage2_column(int g) {
 }
 
 // The first kernel's stage-2 depthwise (stride S2) from the stage-1
-// activations into A's channel groups first_group .. first_group + groups -
+// activations into A's channel groups first_group .. first_group + groups.value -
 // 1, on the tensor cores (diagonal_tap): warps take (two tile rows, 32
 // channels) items, a lane one pixel of each row and 8 channels.
 template <typename T, int K, int S2>

@@ -104,7 +104,15 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
     if (pixel < 0) continue;
     const int c0 = at.column * 8;
     uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
-    if (c0 <= cin && cin < c0 + 8) reinterpret_cast<T*>(&chunk)[cin - c0] = T(1.0f);
+    // The one by a select a 32-bit pair: an element chosen by a run-time
+    // index would put the chunk in local memory.
+    const uint32_t one = T(1.0f).x;
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(&chunk);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int half = cin - c0 - 2 * i;  // 0: the pair's low element, 1: its high one
+      pairs[i] = half == 0 ? (pairs[i] & 0xffff0000u) | one : half == 1 ? (pairs[i] & 0xffffu) | one << 16 : pairs[i];
+    }
     *reinterpret_cast<uint4*>(s.saved_rows + pixel * width + c0) = chunk;
   }
 }
@@ -550,6 +558,7 @@ struct FirstArgs {
   int C1, H1, W1;       // stage-1 outputs
   int H2, W2, tiles;
   Divisor tiles_y, tiles_x;  // tiles per image column and row
+  Divisor part_groups;       // stage 2's input channel groups a block computes of a tile
   // Windows, in stage-1 and image pixels, of one stage-2 tile (halo included).
   int win1_h, win0_h;
   Divisor win1_w, win0_w;
@@ -628,13 +637,26 @@ __device__ void load_image_window(const FirstArgs<T>& a, const In* images, int64
 // as the mma's c quads: {b[n], b[n + 1], b[n], b[n + 1]} for each even n.
 template <typename T>
 __device__ void load_stage1_weight(const FirstArgs<T>& a, int Kp, T* w1, float* b1) {
-  copy_small(
-      Kp * 8, [&](int i) { return __ldg(a.pw1_weight + min(i / 8, a.C1 - 1) * a.C0 + min(i % 8, a.C0 - 1)); },
-      [&](int i, T value) { w1[i] = i / 8 < a.C1 && i % 8 < a.C0 ? value : T(0.0f); });
-  auto channel = [](int i) { return i / 4 * 2 + i % 2; };
-  copy_small(
-      2 * Kp, [&](int i) { return __ldg(a.pw1_bias + min(channel(i), a.C1 - 1)); },
-      [&](int i, T value) { b1[i] = channel(i) < a.C1 ? static_cast<float>(value) : 0.0f; });
+  // A thread an output channel c: its C0 weights' bits as one 16-byte row,
+  // and its bias at c's two places among the quads (element 4 (c / 2) +
+  // c % 2 and the one two further). Every load reads an in-bounds address
+  // (clamped), and the values past C0 or C1 are then replaced by zero.
+  static_assert(kMaxImageChannels == 4, "a row's weights are its first two 32-bit pairs");
+  for (int c = threadIdx.x; c < Kp; c += blockDim.x) {
+    const bool live = c < a.C1;
+    const int source = min(c, a.C1 - 1);
+    const auto* row = reinterpret_cast<const uint16_t*>(a.pw1_weight) + source * a.C0;
+    uint32_t bits[kMaxImageChannels];
+#pragma unroll
+    for (int k = 0; k < kMaxImageChannels; ++k) {
+      const uint32_t value = __ldg(row + min(k, a.C0 - 1));
+      bits[k] = live && k < a.C0 ? value : 0u;
+    }
+    const float bias = live ? static_cast<float>(__ldg(a.pw1_bias + source)) : 0.0f;
+    *reinterpret_cast<uint4*>(w1 + c * 8) = make_uint4(bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, 0u, 0u);
+    float* quads = b1 + c / 2 * 4 + c % 2;
+    quads[0] = quads[2] = bias;
+  }
 }
 
 // Stage-1 depthwise outputs over the stage-1 window into [rows][8] in T (the
@@ -684,19 +706,21 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
         out[c] = acc;
       }
     }
-    uint4 row = pack8<T>(out);
-    *reinterpret_cast<uint4*>(d1 + q * 8) = row;
+    *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
     constexpr int span = kTile * S2, pad = K / 2;
     if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
-      reinterpret_cast<T*>(&row)[a.C0] = T(1.0f);
+      // The one at column C0 by a select a column: an element of `out` chosen
+      // by a run-time index would put the array in local memory.
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = e == a.C0 ? 1.0f : out[e];
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
-      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = row;
+      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = pack8<T>(out);
     }
   }
 }
 
 // Stage-1 outputs over the window, channel groups first_group ..
-// first_group + groups - 1 (all Kp channels, or a split tile's part's
+// first_group + groups.value - 1 (all Kp channels, or a split tile's part's
 // share): the pointwise step on the tensor cores (one m16n8k8 per 16
 // positions and 8 channels), bias, activation, and zero outside the stage-1
 // extent (stage 2's padding). Warps take (16 positions, 32 channels) items.
@@ -707,7 +731,7 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
 // was 41% of this phase's stalls).
 template <typename T>
 __device__ void stage1_pointwise(const FirstArgs<T>& a, const T* d1, const bool* inside, const T* w1, const float* b1,
-                                 T* s1, int first_group, int groups) {
+                                 T* s1, int first_group, const Divisor& groups) {
   constexpr int kSteps = kChannelGroup / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, quad = lane % 4;
@@ -769,12 +793,12 @@ __device__ __forceinline__ int stage2_column(int g) {
 }
 
 // The first kernel's stage-2 depthwise (stride S2) from the stage-1
-// activations into A's channel groups first_group .. first_group + groups -
+// activations into A's channel groups first_group .. first_group + groups.value -
 // 1, on the tensor cores (diagonal_tap): warps take (two tile rows, 32
 // channels) items, a lane one pixel of each row and 8 channels.
 template <typename T, int K, int S2>
 __device__ void stage2_depthwise(const FirstArgs<T>& a, const T* s1, const T* taps, T* a_tile, int a_stride, int Kp,
-                                 int first_group, int groups) {
+                                 int first_group, const Divisor& groups) {
   static_assert(kTile == 8, "a tile row is the 8 rows g of a diagonal mma");
   const int lane = threadIdx.x % 32;
   const uint32_t mask = diagonal_mask();
@@ -849,8 +873,8 @@ __global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const Fir
   // The host splits tiles only as clusters, whose parts divide the groups
   // (first_kernel_parts); compiled without cluster code, each part would
   // compute the whole of A.
-  const int share = clustered ? s.channel_groups.value / parts : s.channel_groups.value;
-  const int first_group = clustered ? part * share : 0;
+  const Divisor& share = clustered ? args.part_groups : s.channel_groups;
+  const int first_group = clustered ? part * share.value : 0;
   T* saved_rows1 = part == 0 ? args.saved_rows1 : nullptr;
   constexpr int clock = clock_kernel(kFirstKernel, Split);
 
@@ -905,7 +929,7 @@ __global__ void __launch_bounds__(kThreads, Blocks) fused_first_kernel(const Fir
     phase_mark(clock, kDepthwise);
     if constexpr (clustered) {
       exchange_depthwise_shares(a_tile, a_stride, kRowGroups * s.channel_groups.value, first_group * kRowGroups,
-                                (first_group + share) * kRowGroups, part, parts, rows.exchanges);
+                                (first_group + share.value) * kRowGroups, part, parts, rows.exchanges);
       phase_mark(clock, kExchange);
     }
     // At three blocks an SM a thread has 80 registers: one column tile a
@@ -1295,6 +1319,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   const TokenizeStage& s2 = p.stages[1];
   FirstArgs<T> a;
   a.gemm = stage_gemm<T>(s2, tile_output<T>(out, saved.output, s2, last, p), saved.rows);
+  a.part_groups = a.gemm.channel_groups;  // a tile's parts divide them below, where it splits
   a.images = images.data_ptr();
   a.uint8_input = p.uint8_input;
   a.nhwc = p.layout == Layout::NHWC;
@@ -1334,6 +1359,7 @@ Follows launch_first(const at::Tensor& images, const TokenizeProblem& p, at::Ten
   if (parts == 1) return launch(kernel, std::min(tiles, slots), kThreads, whole.layout.total, a, Follows::kAnyWork);
   use_geometry(a, split);
   split_columns(a.gemm.output, parts);
+  a.part_groups = Divisor::of(a.gemm.channel_groups.value / parts);
   // Its blocks fill at most one wave of slots (first_kernel_parts), more
   // blocks than SMs at B = 1 but with slots free for the next kernel's to
   // start in: -0.7 us a forward at B = 1 on the H100 (benchmarks/NOTES.md,

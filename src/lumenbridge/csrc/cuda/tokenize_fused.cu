@@ -104,8 +104,8 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
     if (pixel < 0) continue;
     const int c0 = at.column * 8;
     uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
-    // The one by a select a 32-bit pair: an element chosen by a run-time
-    // index would put the chunk in local memory.
+    // The one set by a select per 32-bit pair: an element chosen by a
+    // run-time index would put the chunk in local memory.
     const uint32_t one = T(1.0f).x;
     uint32_t* pairs = reinterpret_cast<uint32_t*>(&chunk);
 #pragma unroll
@@ -709,8 +709,8 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
     *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
     constexpr int span = kTile * S2, pad = K / 2;
     if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
-      // The one at column C0 by a select a column: an element of `out` chosen
-      // by a run-time index would put the array in local memory.
+      // The one at column C0 set by a select per column: an element of `out`
+      // chosen by a run-time index would put the array in local memory.
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] = e == a.C0 ? 1.0f : out[e];
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;

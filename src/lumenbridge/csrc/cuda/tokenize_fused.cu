@@ -92,6 +92,21 @@ bool two_blocks_fit(size_t shared_bytes) {
   return 2 * (shared_bytes + reserved) <= kMaxSharedBytes;
 }
 
+// Eight values of T with element `column` set to one, if it is one of them
+// (0 .. 7): the saved rows' one. A select per 32-bit pair, since an element
+// chosen by a run-time index would put the values in local memory.
+template <typename T>
+__device__ __forceinline__ uint4 with_one_at(uint4 values, int column) {
+  const uint32_t one = T(1.0f).x;
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(&values);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int half = column - 2 * i;  // 0: the pair's low element, 1: its high one
+    pairs[i] = half == 0 ? (pairs[i] & 0xffff0000u) | one : half == 1 ? (pairs[i] & 0xffffu) | one << 16 : pairs[i];
+  }
+  return values;
+}
+
 // Copies a complete A tile, the depthwise output, into the saved rows in
 // channel order, then a one at column Cin and zeros (the backward's GEMM
 // rows, tokenize.h), 16 bytes at a time. A is zero past Cin.
@@ -103,17 +118,8 @@ __device__ void save_depthwise_rows(const T* a_tile, int a_stride, const StageGe
     const int64_t pixel = rows.pixel[at.row];
     if (pixel < 0) continue;
     const int c0 = at.column * 8;
-    uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
-    // The one set by a select per 32-bit pair: an element chosen by a
-    // run-time index would put the chunk in local memory.
-    const uint32_t one = T(1.0f).x;
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(&chunk);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int half = cin - c0 - 2 * i;  // 0: the pair's low element, 1: its high one
-      pairs[i] = half == 0 ? (pairs[i] & 0xffff0000u) | one : half == 1 ? (pairs[i] & 0xffffu) | one << 16 : pairs[i];
-    }
-    *reinterpret_cast<uint4*>(s.saved_rows + pixel * width + c0) = chunk;
+    const uint4 chunk = c0 < s.k_padded ? load_a8(a_tile + at.row * a_stride, c0) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(s.saved_rows + pixel * width + c0) = with_one_at<T>(chunk, cin - c0);
   }
 }
 
@@ -706,15 +712,12 @@ __device__ void stage1_depthwise(const FirstArgs<T>& a, const float* image, cons
         out[c] = acc;
       }
     }
-    *reinterpret_cast<uint4*>(d1 + q * 8) = pack8<T>(out);
+    const uint4 row = pack8<T>(out);
+    *reinterpret_cast<uint4*>(d1 + q * 8) = row;
     constexpr int span = kTile * S2, pad = K / 2;
     if (saved_rows1 != nullptr && in_extent && y >= pad && y < pad + span && x >= pad && x < pad + span) {
-      // The one at column C0 set by a select per column: an element of `out`
-      // chosen by a run-time index would put the array in local memory.
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = e == a.C0 ? 1.0f : out[e];
       const int64_t pixel = (n * a.H1 + y_origin + y) * a.W1 + x_origin + x;
-      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = pack8<T>(out);
+      *reinterpret_cast<uint4*>(saved_rows1 + pixel * 8) = with_one_at<T>(row, a.C0);
     }
   }
 }
